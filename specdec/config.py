@@ -1,0 +1,61 @@
+"""Configuration dataclasses. No logic beyond validation lives here; argument parsing is in cli.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn from a distribution. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise UserError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Prompt lookup: match the longest recent n-gram (max_ngram down to min_ngram) and copy what followed."""
+
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise UserError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What the engine does per request batch."""
+
+    gamma: int = 4  # draft tokens proposed per step
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings, checked on the decoded output
+    stop_at_eos: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise UserError(f"gamma must be >= 1, got {self.gamma}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -1,0 +1,14 @@
+"""Drafters, one per file. Importing this package registers them all."""
+
+from specdec.drafters import draft_model, ngram, none  # noqa: F401  (registration side effects)
+from specdec.drafters.base import DRAFTERS, DecodeState, Drafter, DrafterOptions, Proposal
+from specdec.errors import UserError
+
+
+def build_drafter(name: str, target, options: DrafterOptions | None = None) -> Drafter:
+    if name not in DRAFTERS:
+        raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name](target, options or DrafterOptions())
+
+
+__all__ = ["DRAFTERS", "DecodeState", "Drafter", "DrafterOptions", "Proposal", "build_drafter"]

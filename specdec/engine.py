@@ -1,0 +1,190 @@
+"""The decode loop: prefill -> (propose -> verify -> commit)* for a batch of requests.
+
+Each step runs one target forward over [pending token, d1..dk] per row, verifies the drafts
+(greedy or exact rejection sampling), rolls the target cache back to what was kept and tells the
+drafter. Rows accept different numbers of tokens in the same step and stop on their own (EOS,
+stop strings, max_new_tokens); finished rows stay in the batch but draft nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.config import SpecConfig
+from specdec.drafters import DecodeState, Drafter, DrafterOptions, build_drafter
+from specdec.drafters.base import empty_proposal
+from specdec.errors import UserError
+from specdec.metrics import SpecStats
+from specdec.sampling import logits_to_probs, make_generator, sample
+from specdec.verify import VerifyResult, greedy_verify, rejection_sample
+
+
+@dataclass
+class RowOutput:
+    token_ids: list[int]  # generated tokens; the EOS token is included when it ended the row
+    text: str | None  # decoded output (None without a tokenizer), cut before a stop string
+    finish_reason: str  # "eos" | "stop" | "length"
+    stats: SpecStats
+
+
+@dataclass
+class GenerateOutput:
+    rows: list[RowOutput]
+    stats: SpecStats  # every row's counters summed; wall_s is the batch's
+
+
+class SpecEngine:
+    def __init__(self, target, drafter: Drafter | str = "none", options: DrafterOptions | None = None) -> None:
+        self.target = target
+        self.drafter = build_drafter(drafter, target, options) if isinstance(drafter, str) else drafter
+        self.tokenizer = getattr(target, "tokenizer", None)
+        self.device = next(target.parameters()).device
+
+    def eos_ids(self, config: SpecConfig) -> set[int]:
+        if not config.stop_at_eos:
+            return set()
+        ids = set(self.target.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def generate(self, prompts: list[list[int]], config: SpecConfig) -> GenerateOutput:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UserError("every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        if longest >= self.target.max_context:
+            raise UserError(f"prompt of {longest} tokens does not fit the model's context of {self.target.max_context}")
+        max_new = min(config.max_new_tokens, self.target.max_context - longest)
+        t0 = time.perf_counter()
+        run = Run(self, prompts, config, max_new)
+        run.prefill()
+        while any(run.state.active):
+            run.step()
+        wall = time.perf_counter() - t0
+        return run.finish(wall)
+
+
+class Run:
+    """One generate call: the decode state, the target cache and the per-row bookkeeping."""
+
+    def __init__(self, engine: SpecEngine, prompts: list[list[int]], config: SpecConfig, max_new: int) -> None:
+        self.engine, self.config, self.max_new = engine, config, max_new
+        self.eos = engine.eos_ids(config)
+        B = len(prompts)
+        max_len = max(len(p) for p in prompts) + max_new + config.gamma + 2
+        self.state = DecodeState(
+            tokens=[list(p) for p in prompts],
+            prompt_lengths=[len(p) for p in prompts],
+            active=[True] * B,
+            sampling=config.sampling,
+            generator=make_generator(config.sampling.seed, engine.device),
+            device=engine.device,
+            max_len=max_len,
+        )
+        self.cache = engine.target.new_cache(B, max_len)
+        self.row_stats = [SpecStats() for _ in range(B)]
+        self.finish_reasons = ["length"] * B
+        self.texts: list[str | None] = [None] * B
+        self.draft_s = self.target_s = 0.0
+
+    def prefill(self) -> None:
+        s, dev = self.state, self.state.device
+        lengths = torch.tensor(s.prompt_lengths, device=dev)  # [B]
+        T = int(lengths.max())
+        block = torch.tensor([p + [p[-1]] * (T - len(p)) for p in s.tokens], device=dev)  # [B, T] right-padded
+        positions = torch.arange(T, device=dev).expand(s.batch_size, T)
+        t = time.perf_counter()
+        out = self.engine.target(block, positions, self.cache, logits_at=lengths - 1)
+        self.target_s += time.perf_counter() - t
+        self.cache.trim(lengths)
+        s.target_hidden = out.hidden
+        logits = out.logits[:, 0]  # [B, V]
+        first = logits.argmax(-1) if s.sampling.greedy else sample(logits_to_probs(logits, s.sampling), s.generator)
+        self.commit_rows(first[:, None].tolist(), [0] * s.batch_size, [0] * s.batch_size)
+        self.engine.drafter.prefill(s)
+
+    def step(self) -> None:
+        s, dev = self.state, self.state.device
+        remaining = [self.max_new - self.num_generated(b) if s.active[b] else 0 for b in range(s.batch_size)]
+        k = max(0, min(self.config.gamma, max(remaining) - 1))
+        t = time.perf_counter()
+        proposal = self.engine.drafter.propose(s, k) if k > 0 else empty_proposal(s)
+        self.draft_s += time.perf_counter() - t
+        k = proposal.tokens.shape[1]
+        cap = torch.tensor([max(r - 1, 0) for r in remaining], device=dev)  # never draft past max_new_tokens
+        num_drafted = torch.minimum(proposal.num_drafted if proposal.num_drafted is not None else cap.clamp(max=k), cap)
+
+        pending = torch.tensor([row[-1] for row in s.tokens], device=dev)  # [B]
+        block = torch.cat([pending[:, None], proposal.tokens], dim=1)  # [B, k+1]
+        start = self.cache.lengths.clone()  # [B]
+        t = time.perf_counter()
+        out = self.engine.target(block, start[:, None] + torch.arange(k + 1, device=dev), self.cache)
+        result = self.verify(proposal.tokens, proposal.probs, out.logits, num_drafted)
+        active = torch.tensor(s.active, device=dev)
+        self.cache.trim(torch.where(active, start + result.num_accepted + 1, start))
+        s.target_hidden = out.hidden
+        tokens, accepted, drafted = result.tokens.tolist(), result.num_accepted.tolist(), num_drafted.tolist()
+        self.target_s += time.perf_counter() - t
+        self.commit_rows([row[: n + 1] for row, n in zip(tokens, accepted)], drafted, accepted)
+        self.engine.drafter.commit(s, result)
+
+    def verify(self, draft_tokens: Tensor, q: Tensor | None, logits: Tensor, num_drafted: Tensor) -> VerifyResult:
+        sampling = self.state.sampling
+        if sampling.greedy:
+            return greedy_verify(draft_tokens, logits, num_drafted)
+        return rejection_sample(draft_tokens, q, logits_to_probs(logits, sampling), self.state.generator, num_drafted)
+
+    def commit_rows(self, emitted: list[list[int]], drafted: list[int], accepted: list[int]) -> None:
+        """Append each active row's emitted tokens, cut at a stop condition, and count the step."""
+        s = self.state
+        for b, new in enumerate(emitted):
+            if not s.active[b]:
+                continue
+            kept = self.cut_at_stop(b, new)
+            s.tokens[b].extend(kept)
+            self.row_stats[b].record_step(drafted[b], accepted[b], len(kept))
+            if self.finish_reasons[b] != "length" or self.num_generated(b) >= self.max_new:
+                s.active[b] = False
+
+    def cut_at_stop(self, b: int, new: list[int]) -> list[int]:
+        """The prefix of `new` up to the first stop condition (EOS kept, stop string cut from the text)."""
+        room = self.max_new - self.num_generated(b)
+        for i, token in enumerate(new[:room]):
+            if token in self.eos:
+                self.finish_reasons[b] = "eos"
+                return new[: i + 1]
+            if self.config.stop and self.engine.tokenizer is not None:
+                text = self.decode(self.generated(b) + new[: i + 1])
+                hit = min((text.find(x) for x in self.config.stop if x in text), default=-1)
+                if hit >= 0:
+                    self.finish_reasons[b] = "stop"
+                    self.texts[b] = text[:hit]
+                    return new[: i + 1]
+        return new[:room]
+
+    def num_generated(self, b: int) -> int:
+        return len(self.state.tokens[b]) - self.state.prompt_lengths[b]
+
+    def generated(self, b: int) -> list[int]:
+        return self.state.tokens[b][self.state.prompt_lengths[b] :]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def finish(self, wall: float) -> GenerateOutput:
+        total = SpecStats()
+        rows = []
+        for b, stats in enumerate(self.row_stats):
+            stats.wall_s = wall
+            total.merge(stats)
+            ids = self.generated(b)
+            text = self.texts[b]
+            if text is None and self.engine.tokenizer is not None:
+                text = self.decode(ids)
+            rows.append(RowOutput(token_ids=ids, text=text, finish_reason=self.finish_reasons[b], stats=stats))
+        total.wall_s, total.draft_s, total.target_s = wall, self.draft_s, self.target_s
+        return GenerateOutput(rows=rows, stats=total)

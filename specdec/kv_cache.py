@@ -1,0 +1,69 @@
+"""Preallocated key/value cache with per-row lengths.
+
+Contract: row b holds `lengths[b]` valid slots. A forward over T new tokens writes them at slots
+lengths[b] .. lengths[b]+T-1 (whatever their RoPE positions are) and advances lengths by T. The
+caller then `trim`s rows back to what it keeps (rejected draft tokens are simply forgotten: their
+slots get overwritten by the next write) or `compact`s a tree's accepted path into place.
+Nothing is reallocated per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdec.errors import UserError
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, Dh]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, Dh]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, num_new: int) -> Tensor:
+        """Slots [B, T] the next `num_new` tokens of each row go to. Fails loudly instead of overflowing."""
+        slots = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)  # [B, T]
+        if int(slots[:, -1].max()) >= self.max_len:
+            raise UserError(f"sequence would exceed the KV cache of {self.max_len} slots (context too long)")
+        return slots
+
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, H, T, Dh] at slots [B, T]; return this layer's whole cache [B, H, S, Dh]."""
+        index = slots[:, None, :, None].expand_as(k)  # [B, H, T, Dh]
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+        return self.k[layer], self.v[layer]
+
+    def trim(self, lengths: Tensor) -> None:
+        """Roll rows back to `lengths` [B] valid slots (never forward)."""
+        self.lengths.copy_(torch.minimum(self.lengths, lengths.to(self.lengths)))
+
+    def compact(self, start: Tensor, keep: Tensor, num_keep: Tensor) -> None:
+        """Move slots start[b] + keep[b, :num_keep[b]] to start[b] .. start[b]+num_keep[b]-1 and trim.
+
+        start: [B] first slot of the block just written; keep: [B, N] offsets into that block, in order;
+        num_keep: [B]. Used after tree verification to lay the accepted path out as a chain.
+        """
+        src = start[:, None] + keep  # [B, N]
+        dst = start[:, None] + torch.arange(keep.shape[1], device=keep.device)  # [B, N]
+        for cache in (self.k, self.v):
+            L, B, H, _, Dh = cache.shape
+            gathered = cache.gather(3, src[None, :, None, :, None].expand(L, B, H, -1, Dh))
+            cache.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, -1, Dh), gathered)
+        self.lengths.copy_(start + num_keep)

@@ -1,0 +1,82 @@
+"""Counters of a decode and the rates derived from them (names as in DESIGN.md).
+
+- acceptance rate = accepted / drafted, overall and per draft position;
+- mean accepted length tau = emitted tokens / steps (plain decoding: tau = 1). The prefill forward
+  counts as a step that emits the first token, for every method alike;
+- tokens/s = emitted tokens / wall seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # target forwards (prefill included)
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    draft_s: float = 0.0  # time inside drafter.propose
+    target_s: float = 0.0  # time inside target forwards
+
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.emitted += num_emitted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another row's counters (times are not added: rows of a batch share the clock)."""
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.emitted += other.emitted
+        for i, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
+            if i == len(self.drafted_per_position):
+                self.drafted_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.drafted_per_position[i] += d
+            self.accepted_per_position[i] += a
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_per_position(self) -> list[float | None]:
+        return [a / d if d else None for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.emitted / self.steps if self.steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.emitted / self.wall_s if self.wall_s > 0 else None
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+            "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_s": self.tokens_per_s,
+            "wall_s": self.wall_s,
+            "draft_s": self.draft_s,
+            "target_s": self.target_s,
+        }

@@ -1,0 +1,220 @@
+"""Native Llama-family transformer: Llama 2/3.x, Mistral, Qwen2/2.5/3, SmolLM.
+
+Contract (shared by every target and draft model):
+    forward(tokens [B, T], positions [B, T], cache, mask [B, T, T] | None, logits_at [B] | None)
+        -> ModelOutput(logits [B, T or 1, V] float32, hidden [B, T, D])
+New tokens are written at each row's next free cache slots; `positions` are their RoPE positions
+(for a chain, slot index == position; for a tree, depth positions). `mask` says which of the new
+tokens each new token sees (None = causal); every new token sees the whole committed prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.errors import UserError
+from specdec.kv_cache import KVCache
+from specdec.models.linear import Linear
+from specdec.models.rope import apply_rope, build_rope, rope_cos_sin
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """From an HF config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style)."""
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"model type {model_type!r} has no native implementation (native: {SUPPORTED_MODEL_TYPES})")
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
+        theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        heads = d["num_attention_heads"]
+        window = d.get("sliding_window")
+        if d.get("use_sliding_window") is False:
+            window = None
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) != "default" else None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # [B, T, V] (or [B, 1, V] with logits_at), float32
+    hidden: Tensor  # [B, T, D] final normed hidden states
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, qkv_dim, bias=c.attention_bias)  # q, k, v fused
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, slots: Tensor, attn_mask: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
+        k_all, v_all = cache.write(layer, k, v, slots)  # [B, Hkv, S_max, Dh]
+        span = attn_mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # [B, H, T, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, slots: Tensor, attn_mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_attention_mask(
+    lengths: Tensor, slots: Tensor, positions: Tensor, tree_mask: Tensor | None, window: int | None
+) -> Tensor:
+    """Which cache slots each new token attends to: bool [B, 1, T, S], S = last written slot + 1.
+
+    lengths [B]: committed slots before this forward; slots, positions [B, T]; tree_mask [B, T, T].
+    Committed slots hold a chain, so a committed slot's position is its index.
+    """
+    B, T = slots.shape
+    span = int(slots[:, -1].max()) + 1
+    j = torch.arange(span, device=slots.device)  # [S]
+    rel = j[None, None, :] - lengths[:, None, None]  # [B, 1, S] offset into the new block
+    in_block = (rel >= 0) & (rel < T)
+    if tree_mask is None:
+        sees_new = in_block & (rel <= torch.arange(T, device=slots.device)[None, :, None])  # [B, T, S]
+    else:
+        sees_new = in_block & tree_mask.gather(2, rel.clamp(0, T - 1).expand(B, T, span))
+    visible = (rel < 0) | sees_new  # [B, T, S]
+    if window is not None:
+        key_pos = j[None, :].expand(B, span).scatter(1, slots, positions)  # [B, S]
+        visible &= (positions[:, :, None] - key_pos[:, None, :]) < window
+    return visible[:, None]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        rope = build_rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.register_buffer("inv_freq", rope.inv_freq, persistent=False)  # [Dh/2] float32
+        self.rope_attention_factor = rope.attention_factor
+        self.tokenizer = None  # set by the loaders
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c, p = self.config, self.embed_tokens.weight
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,  # [B, T]
+        positions: Tensor,  # [B, T]
+        cache: KVCache,
+        mask: Tensor | None = None,  # [B, T, T] bool, True = sees
+        logits_at: Tensor | None = None,  # [B] the one position per row that needs logits
+    ) -> ModelOutput:
+        slots = cache.reserve(tokens.shape[1])  # [B, T]
+        x = self.embed_tokens(tokens)  # [B, T, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, x.dtype)
+        attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, self.config.sliding_window)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, slots, attn_mask)
+        cache.lengths += tokens.shape[1]
+        hidden = self.norm(x)  # [B, T, D]
+        h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        return ModelOutput(logits=self.lm_head(h).float(), hidden=hidden)

