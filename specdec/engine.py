@@ -179,7 +179,7 @@ class Run:
         total = SpecStats()
         rows = []
         for b, stats in enumerate(self.row_stats):
-            stats.wall_s = wall
+            stats.wall_s, stats.draft_s, stats.target_s = wall, self.draft_s, self.target_s  # rows share the clock
             total.merge(stats)
             ids = self.generated(b)
             text = self.texts[b]

@@ -1,0 +1,188 @@
+"""Command line: `specdec generate | demo`. Argument parsing lives here and nowhere else.
+
+A user mistake prints one line (`specdec: error: ...`) and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specdec.errors import UserError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct), a folder, a .gguf file or a hub id")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="ngram", help="none, ngram, draft_model")
+    p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model (same forms as --model)")
+    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same output)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding, measured and explained.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, speculatively")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted or '-')")
+    add_model_args(g)
+    add_drafter_args(g)
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per step")
+    add_sampling_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
+    g.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare token ids (greedy only)")
+
+    d = sub.add_parser("demo", help="the main job: a GSM8K question on the default model with the ngram drafter")
+    add_model_args(d)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        set_threads(args.threads)
+        if args.command == "generate":
+            return run_generate(args)
+        if args.command == "demo":
+            return run_demo(args)
+    except UserError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def read_prompt(prompt: str | None) -> str:
+    if prompt is None or prompt == "-":
+        if sys.stdin.isatty():
+            raise UserError("no prompt given (pass it as an argument or on stdin)")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise UserError("the prompt is empty")
+    return prompt
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from specdec.api import encode_prompt
+    from specdec.config import SamplingParams, SpecConfig
+    from specdec.drafters import DrafterOptions
+    from specdec.engine import SpecEngine
+    from specdec.models import load_model
+
+    prompt = read_prompt(args.prompt)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    config = SpecConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling=sampling)
+    if args.check_lossless and not sampling.greedy:
+        raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
+    if args.drafter == "draft_model" and args.draft_model is None:
+        raise UserError("--drafter draft_model needs --draft-model PATH")
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    if target.tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
+    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    engine = SpecEngine(target, args.drafter, options)
+    ids = encode_prompt(target.tokenizer, prompt, chat=not args.raw)
+    row = engine.generate([ids], config).rows[0]
+
+    report = {
+        "model": args.model,
+        "drafter": args.drafter,
+        "gamma": args.gamma,
+        "device": str(engine.device),
+        "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "text": row.text,
+        "token_ids": row.token_ids,
+        "finish_reason": row.finish_reason,
+        "stats": row.stats.to_dict(),
+    }
+    if args.check_lossless:
+        plain = SpecEngine(target, "none").generate([ids], config).rows[0]
+        report["lossless"] = plain.token_ids == row.token_ids
+        report["first_difference"] = first_difference(plain.token_ids, row.token_ids)
+        report["plain_tokens_per_s"] = plain.stats.tokens_per_s
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(row.text)
+        print()
+        print(format_stats(report))
+    return 0
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def format_stats(report: dict) -> str:
+    s = report["stats"]
+    per_pos = " ".join("-" if a is None else f"{a:.2f}" for a in s["acceptance_per_position"]) or "-"
+    rows = [
+        ("drafter / gamma", f"{report['drafter']} / {report['gamma']}"),
+        ("device / dtype", f"{report['device']} / {report['dtype']}"),
+        ("tokens emitted", s["emitted"]),
+        ("target steps", s["steps"]),
+        ("drafted / accepted", f"{s['drafted']} / {s['accepted']}"),
+        ("acceptance rate", fmt(s["acceptance_rate"])),
+        ("acceptance per position", per_pos),
+        ("mean accepted length (tau)", fmt(s["mean_accepted_length"])),
+        ("tokens/s", fmt(s["tokens_per_s"], 1)),
+        ("wall s", fmt(s["wall_s"], 2)),
+    ]
+    if "lossless" in report:
+        rows.append(("plain decoding tokens/s", fmt(report["plain_tokens_per_s"], 1)))
+        rows.append(("lossless (== plain greedy)", f"{report['lossless']} (first difference: {report['first_difference']})"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from specdec.bench.tasks import load_tasks
+
+    task = load_tasks("gsm8k-eval", limit=1)[0]
+    print(f"GSM8K question: {task.prompt}\n", flush=True)
+    return main(
+        ["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+         "--drafter", "ngram", "--gamma", "4", "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The command line: a user mistake gets one clear line and exit status 2, never a traceback;
+`generate --json --check-lossless` reports the documented fields."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_pair
+from specdec.cli import first_difference, main
+
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+BAD_INPUTS = [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "   "], "prompt is empty"),
+    (["generate", "hi", "--gamma", "0"], "gamma must be >= 1"),
+    (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--drafter", "nope"], "unknown drafter 'nope'"),
+    (["generate", "hi", "--model", "/no/such/model"], "model not found"),
+    (["generate", "hi", "--drafter", "draft_model"], "needs --draft-model"),
+    (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
+    (["generate", "hi", "--temperature", "0.7", "--check-lossless"], "--check-lossless compares greedy"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS)
+def test_bad_input_is_one_clear_line(capsys, args, message):
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2
+    assert err.startswith("specdec: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(capsys, default_model):
+    code, _, err = run_cli(capsys, "generate", "word " * 9000, "--raw")
+    assert code == 2 and "does not fit the model's context" in err
+
+
+@pytest.mark.slow
+def test_draft_model_with_another_vocabulary(capsys, default_model, tmp_path):
+    _, hf = tiny_pair(tmp_path, "llama", seed=3)
+    folder = tmp_path / "llama-3"
+    code, _, err = run_cli(capsys, "generate", "hi", "--drafter", "draft_model", "--draft-model", str(folder))
+    assert code == 2 and "vocabular" in err
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "hi", "--gamma", "-3"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "specdec: error: gamma must be >= 1, got -3"
+
+
+@pytest.mark.slow
+def test_generate_json_check_lossless(capsys, default_model):
+    code, out, _ = run_cli(
+        capsys, "generate", QUESTION, "--drafter", "ngram", "--check-lossless", "--json", "--max-new-tokens", "48"
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["lossless"] is True and report["first_difference"] is None
+    stats = report["stats"]
+    for key in ("steps", "drafted", "accepted", "acceptance_rate", "acceptance_per_position", "mean_accepted_length", "tokens_per_s", "wall_s"):
+        assert key in stats
+    assert stats["accepted"] > 0
+    assert len(report["token_ids"]) == stats["emitted"] and report["text"]
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2

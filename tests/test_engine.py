@@ -1,0 +1,85 @@
+"""Greedy losslessness: every drafter x gamma x batch size emits exactly the target's own greedy
+decode (float32), compared with specdec's plain decoding and with transformers `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from conftest import tiny_pair
+
+PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    target, hf = tiny_pair(tmp, "llama", seed=0, logit_scale=8.0)
+    draft, _ = tiny_pair(tmp, "llama", seed=1, logit_scale=8.0, num_hidden_layers=1)
+    return target, hf, draft
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    target, _, _ = models
+    out = specdec.generate(PROMPTS, model=target, drafter="none", max_new_tokens=MAX_NEW)
+    return [r.token_ids for r in out.rows]
+
+
+def hf_greedy(hf, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_plain_decoding_matches_transformers(models, plain):
+    _, hf, _ = models
+    assert plain == [hf_greedy(hf, p) for p in PROMPTS]
+    assert all(len(ids) == MAX_NEW for ids in plain)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_speculative_greedy_equals_plain(models, plain, drafter, gamma, batch):
+    target, _, draft = models
+    prompts = PROMPTS[:batch] if batch == 3 else PROMPTS[2:3]
+    expected = plain[:batch] if batch == 3 else plain[2:3]
+    out = specdec.generate(prompts, model=target, drafter=drafter, gamma=gamma, max_new_tokens=MAX_NEW, draft_model=draft)
+    assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.drafted > 0
+    assert out.stats.emitted == sum(len(e) for e in expected)
+
+
+def test_draft_model_of_itself_accepts_everything(models):
+    target, _, _ = models
+    out = specdec.generate(PROMPTS, model=target, drafter="draft_model", gamma=4, max_new_tokens=MAX_NEW, draft_model=target)
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.acceptance_per_position == [1.0] * 4
+
+
+def test_rows_stop_on_their_own(models, plain):
+    target, _, _ = models
+    eos = plain[1][10]  # a token row 1 emits at step 11: declare it EOS
+    target_eos = target.config.eos_token_ids
+    object.__setattr__(target.config, "eos_token_ids", (eos,))
+    try:
+        out = specdec.generate(PROMPTS, model=target, drafter="ngram", gamma=4, max_new_tokens=MAX_NEW)
+    finally:
+        object.__setattr__(target.config, "eos_token_ids", target_eos)
+    for row, full in zip(out.rows, plain):
+        cut = full.index(eos) + 1 if eos in full else len(full)
+        assert row.token_ids == full[:cut]
+        assert row.finish_reason == ("eos" if eos in full else "length")
+
+
+def test_stats_are_consistent(models):
+    target, _, draft = models
+    out = specdec.generate(PROMPTS, model=target, drafter="draft_model", gamma=3, max_new_tokens=MAX_NEW, draft_model=draft)
+    s = out.stats
+    assert s.accepted <= s.drafted
+    assert sum(s.accepted_per_position) == s.accepted and sum(s.drafted_per_position) == s.drafted
+    assert s.emitted == s.accepted + s.steps  # every step emits accepted + 1
+    assert s.mean_accepted_length == pytest.approx(s.emitted / s.steps)
