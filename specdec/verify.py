@@ -71,6 +71,6 @@ def rejection_sample(
         p_next = torch.where(rejected[:, None], residual, p_next)
     next_token = sample(p_next, generator)  # [B]
 
-    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)  # [B, k+1]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, k+1]
     tokens[rows, num_accepted] = next_token
     return VerifyResult(tokens=tokens, num_accepted=num_accepted)
