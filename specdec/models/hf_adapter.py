@@ -41,7 +41,8 @@ class HFCache:
 
     def trim(self, lengths: Tensor) -> None:
         n = min(int(self.lengths[0]), int(lengths[0]))
-        self.past.crop(n)
+        if n < int(self.lengths[0]):  # crop takes minus the number of tokens to drop (transformers 5 refuses n > 0)
+            self.past.crop(n - int(self.lengths[0]))
         self.lengths.fill_(n)
 
 

@@ -38,7 +38,9 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v biases
+    o_proj_bias: bool = False  # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2 does not
+    mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
@@ -55,8 +57,12 @@ class ModelConfig:
         theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
         heads = d["num_attention_heads"]
         window = d.get("sliding_window")
-        if d.get("use_sliding_window") is False:
+        layer_types = d.get("layer_types") or ()
+        if d.get("use_sliding_window") is False or (layer_types and "sliding_attention" not in layer_types):
             window = None
+        if window is not None and any(t != "sliding_attention" for t in layer_types):
+            raise UserError("mixed sliding/full attention layers (layer_types) have no native implementation; use backend='hf'")
+        attention_bias = bool(d.get("attention_bias", model_type == "qwen2"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(
@@ -72,7 +78,9 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) != "default" else None,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             sliding_window=window,
@@ -104,7 +112,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, qkv_dim, bias=c.attention_bias)  # q, k, v fused
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
@@ -131,8 +139,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)  # gate, up fused
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)  # gate, up fused
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -184,11 +184,16 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, to
         if c.attention_bias:
             out[attn + "qkv_proj.bias"] = torch.cat([hf[attn + f"{x}_proj.bias"] for x in "qkv"])
         out[attn + "o_proj.weight"] = hf[attn + "o_proj.weight"]
+        if c.o_proj_bias:
+            out[attn + "o_proj.bias"] = hf[attn + "o_proj.bias"]
         if c.qk_norm:
             out[attn + "q_norm.weight"] = hf[attn + "q_norm.weight"]
             out[attn + "k_norm.weight"] = hf[attn + "k_norm.weight"]
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         out[p + "mlp.down_proj.weight"] = hf[p + "mlp.down_proj.weight"]
+        if c.mlp_bias:
+            out[p + "mlp.gate_up_proj.bias"] = torch.cat([hf[p + "mlp.gate_proj.bias"], hf[p + "mlp.up_proj.bias"]])
+            out[p + "mlp.down_proj.bias"] = hf[p + "mlp.down_proj.bias"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = hf[p + norm + ".weight"]
     return out
