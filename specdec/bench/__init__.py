@@ -1,0 +1,1 @@
+"""Benchmarking: task sets (tasks.py), the benchmark runner and peer baselines."""
