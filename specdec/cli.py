@@ -51,10 +51,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     g.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare token ids (greedy only)")
 
-    d = sub.add_parser("demo", help="the main job: a GSM8K question on the default model with the ngram drafter")
+    b = sub.add_parser("bench", help="measure drafters x gammas against plain decoding and peers, side by side")
+    add_bench_args(b)
+
+    d = sub.add_parser("demo", help="the main job: a short bench on the default model (ngram, gammas 1-8, transformers peer)")
     add_model_args(d)
+    d.add_argument("--limit", type=int, default=5, help="GSM8K eval prompts")
     d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--out", default="runs/demo", help="folder for results.json, report.md and plots")
     return parser
+
+
+def csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from e
+
+    return parse
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
+    b.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
+    add_model_args(b)
+    b.add_argument("--drafters", type=csv(str), default=("ngram",), help="comma-separated drafters (none, ngram, draft_model)")
+    b.add_argument("--draft-model", default=None, help="draft model for draft_model and the hf-assisted peer")
+    b.add_argument("--gammas", type=csv(int), default=(1, 2, 3, 4, 6, 8), help="comma-separated gammas")
+    b.add_argument("--pld-gammas", type=csv(int), default=None, help="prompt-lookup sizes for the hf-pld peer (default: --gammas)")
+    b.add_argument("--ngram-max", type=int, default=3)
+    b.add_argument("--ngram-min", type=int, default=1)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    add_sampling_args(b)
+    b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld (empty for none)")
+    b.add_argument("--repeats", type=int, default=1, help="times each method runs each prompt (median taken)")
+    b.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
+    b.add_argument("--json", action="store_true", help="print the results document instead of the table")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(args.threads)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "bench":
+            return run_bench_cmd(args)
         if args.command == "demo":
             return run_demo(args)
     except UserError as e:
@@ -173,15 +209,46 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def run_bench_cmd(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.bench.report import format_table, write_outputs
+    from specdec.bench.runner import BenchConfig, run_bench
+    from specdec.config import SamplingParams
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit must be >= 1, got {args.limit}")
+    config = BenchConfig(
+        task=args.task, limit=args.limit, model=args.model, drafters=args.drafters, gammas=args.gammas,
+        peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
+        repeats=args.repeats, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
+        chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+    )
+    results = run_bench(config, progress=not args.json)
+    files = write_outputs(results, Path(args.out))
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(format_table(results))
+        print(f"\nwrote {', '.join(str(f) for f in files[:2])} and {len(files) - 2} plots")
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    """The README's main job: a short GSM8K bench of prompt lookup against plain decoding and transformers."""
     from specdec.bench.tasks import load_tasks
 
     task = load_tasks("gsm8k-eval", limit=1)[0]
     print(f"GSM8K question: {task.prompt}\n", flush=True)
-    return main(
-        ["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-         "--drafter", "ngram", "--gamma", "4", "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"]
-    )
+    code = main(["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                 "--drafter", "ngram", "--gamma", "4", "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"])
+    if code:
+        return code
+    print(f"\nBench: {args.limit} GSM8K prompts, ngram drafter at gammas 1-8 vs plain decoding and transformers\n", flush=True)
+    return main(["bench", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
+                 "--device", args.device, "--drafters", "ngram", "--gammas", "1,2,3,4,6,8", "--peers", "hf,hf-pld",
+                 "--pld-gammas", "2,4,8", "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 
 
 if __name__ == "__main__":

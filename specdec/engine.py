@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,6 +30,22 @@ class RowOutput:
     text: str | None  # decoded output (None without a tokenizer), cut before a stop string
     finish_reason: str  # "eos" | "stop" | "length"
     stats: SpecStats
+
+
+@dataclass
+class StepRecord:
+    """What one verification step saw, for observers (rejection analysis). Tensors are the step's own."""
+
+    draft_tokens: Tensor  # [B, k]
+    q: Tensor | None  # [B, k, V] draft distribution (None = deterministic draft)
+    num_drafted: Tensor  # [B]
+    target_logits: Tensor  # [B, k+1, V] float32
+    result: VerifyResult
+    num_generated: list[int]  # per row: tokens generated before this step
+    active: list[bool]  # rows that took part in the step
+
+
+Observer = Callable[[StepRecord], None]
 
 
 @dataclass
@@ -52,7 +69,8 @@ class SpecEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def generate(self, prompts: list[list[int]], config: SpecConfig) -> GenerateOutput:
+    def generate(self, prompts: list[list[int]], config: SpecConfig, observer: Observer | None = None) -> GenerateOutput:
+        """Decode a batch of token-id prompts. `observer`, if given, sees every verification step."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise UserError("every prompt needs at least one token")
         longest = max(len(p) for p in prompts)
@@ -60,7 +78,7 @@ class SpecEngine:
             raise UserError(f"prompt of {longest} tokens does not fit the model's context of {self.target.max_context}")
         max_new = min(config.max_new_tokens, self.target.max_context - longest)
         t0 = time.perf_counter()
-        run = Run(self, prompts, config, max_new)
+        run = Run(self, prompts, config, max_new, observer)
         run.prefill()
         while any(run.state.active):
             run.step()
@@ -71,8 +89,10 @@ class SpecEngine:
 class Run:
     """One generate call: the decode state, the target cache and the per-row bookkeeping."""
 
-    def __init__(self, engine: SpecEngine, prompts: list[list[int]], config: SpecConfig, max_new: int) -> None:
-        self.engine, self.config, self.max_new = engine, config, max_new
+    def __init__(
+        self, engine: SpecEngine, prompts: list[list[int]], config: SpecConfig, max_new: int, observer: Observer | None
+    ) -> None:
+        self.engine, self.config, self.max_new, self.observer = engine, config, max_new, observer
         self.eos = engine.eos_ids(config)
         B = len(prompts)
         max_len = max(len(p) for p in prompts) + max_new + config.gamma + 2
@@ -129,6 +149,9 @@ class Run:
         s.target_hidden = out.hidden
         tokens, accepted, drafted = result.tokens.tolist(), result.num_accepted.tolist(), num_drafted.tolist()
         self.target_s += time.perf_counter() - t
+        if self.observer is not None:
+            generated = [self.num_generated(b) for b in range(s.batch_size)]
+            self.observer(StepRecord(proposal.tokens, proposal.probs, num_drafted, out.logits, result, generated, list(s.active)))
         self.commit_rows([row[: n + 1] for row, n in zip(tokens, accepted)], drafted, accepted)
         self.engine.drafter.commit(s, result)
 

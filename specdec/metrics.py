@@ -74,6 +74,8 @@ class SpecStats:
             "emitted": self.emitted,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "accepted_per_position": self.accepted_per_position,
             "mean_accepted_length": self.mean_accepted_length,
             "tokens_per_s": self.tokens_per_s,
             "wall_s": self.wall_s,

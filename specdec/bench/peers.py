@@ -1,0 +1,110 @@
+"""Peer baselines measured in the same run, on the same prompts, as specdec's own methods.
+
+- `hf`: transformers `generate`, plain (greedy or sampling), the same weights and dtype;
+- `hf-pld`: transformers prompt lookup decoding (`prompt_lookup_num_tokens` = gamma);
+- `hf-assisted`: transformers assisted generation with the draft model (`num_assistant_tokens` = gamma,
+  constant schedule, so each gamma is what it says);
+- `llamacpp` / `llamacpp-pld`: llama.cpp through llama-cpp-python, when installed and the target is a
+  GGUF file. llama.cpp runs the quantised GGUF weights themselves, so its outputs are not expected to
+  equal the float32 target's; it is a speed reference only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.errors import UserError
+
+PEERS = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld")
+
+
+@dataclass
+class PeerOutput:
+    token_ids: list[int]  # generated tokens (EOS included when it ended the output)
+    wall_s: float
+
+
+def hf_generate_kwargs(sampling: SamplingParams) -> dict:
+    if sampling.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
+
+
+class HFPeer:
+    """transformers `generate` on an AutoModelForCausalLM loaded from the target's own folder."""
+
+    def __init__(self, folder: str, dtype: torch.dtype, device: torch.device, assistant_folder: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.device = device
+        self.assistant = None
+        if assistant_folder is not None:
+            self.assistant = AutoModelForCausalLM.from_pretrained(assistant_folder, dtype=dtype).to(device).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, mode: str, gamma: int = 0) -> PeerOutput:
+        ids = torch.tensor([prompt], device=self.device)
+        kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": max_new_tokens, **hf_generate_kwargs(sampling)}
+        if mode == "hf-pld":
+            kwargs["prompt_lookup_num_tokens"] = gamma
+        elif mode == "hf-assisted":
+            if self.assistant is None:
+                raise UserError("hf-assisted needs a draft model (--draft-model)")
+            self.assistant.generation_config.num_assistant_tokens = gamma
+            self.assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            kwargs["assistant_model"] = self.assistant
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        t = time.perf_counter()
+        out = self.model.generate(ids, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return PeerOutput(token_ids=out[0, len(prompt):].tolist(), wall_s=time.perf_counter() - t)
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppPeer:
+    """llama.cpp (llama-cpp-python) on the target's GGUF file."""
+
+    def __init__(self, gguf: Path, threads: int, context: int) -> None:
+        from llama_cpp import Llama
+
+        self.gguf, self.threads, self.context = gguf, threads, context
+        self.plain = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, verbose=False)
+        self.lookup: dict[int, object] = {}
+
+    def model_for(self, mode: str, gamma: int):
+        if mode == "llamacpp":
+            return self.plain
+        if gamma not in self.lookup:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            self.lookup[gamma] = Llama(
+                model_path=str(self.gguf), n_ctx=self.context, n_threads=self.threads, verbose=False,
+                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=gamma),
+            )
+        return self.lookup[gamma]
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, mode: str, gamma: int = 0) -> PeerOutput:
+        llm = self.model_for(mode, gamma)
+        llm.reset()
+        t = time.perf_counter()
+        tokens: list[int] = []
+        params = {"temp": 0.0, "top_k": 1} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p}
+        for token in llm.generate(prompt, reset=True, **params):
+            tokens.append(token)
+            if token == llm.token_eos() or len(tokens) >= max_new_tokens:
+                break
+        return PeerOutput(token_ids=tokens, wall_s=time.perf_counter() - t)

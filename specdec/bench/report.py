@@ -1,0 +1,246 @@
+"""Presenting a bench results document: the terminal table, results.json, report.md and PNG plots.
+
+Every number shown comes from the results document; estimates are labelled "estimated".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.bench.runner import PLAIN
+
+
+def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def format_table(results: dict) -> str:
+    """The compact terminal table: one line per method."""
+    header = ["method", "tok/s (median [p25-p75])", "x plain", "x hf", "alpha", "tau", "c", "r(g+1)", "est. x", "lossless", "acc"]
+    rows = [header]
+    for m in results["methods"]:
+        t = m["tokens_per_s"]
+        lossless = "-" if "lossless" not in m else f"{m['matches_plain']}/{m['num_outputs']}"
+        rows.append([
+            m["name"],
+            f"{fmt(t['median'], 1)} [{fmt(t['p25'], 1)}-{fmt(t['p75'], 1)}]",
+            fmt(m["speedup_vs_plain"]["median"], 2, "x"),
+            fmt(m["speedup_vs_hf"]["median"], 2, "x"),
+            fmt(m.get("acceptance_rate"), 2),
+            fmt(m.get("mean_accepted_length"), 2),
+            fmt(m.get("cost_coefficient"), 3),
+            fmt(m.get("verify_ratio"), 2),
+            fmt(m.get("estimated_speedup"), 2, "x"),
+            lossless,
+            fmt(m["accuracy"], 2),
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    env = results["environment"]
+    where = env.get("gpu") or f"{env['processor']} ({env['cpu_threads']} threads)"
+    lines.insert(0, f"{results['task']}: {results['num_prompts']} prompts, {env['device']} {env['dtype']}, {where}; "
+                    f"medians over prompts; est. x = estimated speedup (formula)")
+    return "\n".join(lines + [f"note: {n}" for n in results["notes"]])
+
+
+def write_outputs(results: dict, out: Path) -> list[Path]:
+    """results.json, report.md and the plots under `out`; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plots = write_plots(results, out)
+    (out / "report.md").write_text(render_markdown(results, plots))
+    return [out / "results.json", out / "report.md", *plots]
+
+
+def spec_methods(results: dict) -> dict[str, list[dict]]:
+    """specdec methods with a drafter, grouped by drafter, sorted by gamma."""
+    groups: dict[str, list[dict]] = {}
+    for m in results["methods"]:
+        if m["family"] == "specdec" and m["drafter"] != "none":
+            groups.setdefault(m["drafter"], []).append(m)
+    return {d: sorted(ms, key=lambda m: m["gamma"]) for d, ms in groups.items()}
+
+
+def write_plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = spec_methods(results)
+    files = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(out / name)
+
+    if groups:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for drafter, ms in groups.items():
+            ax.plot([m["gamma"] for m in ms], [m["acceptance_rate"] or 0 for m in ms], "o-", label=drafter)
+        ax.set(xlabel="gamma (draft tokens per step)", ylabel="acceptance rate", title="Acceptance vs gamma", ylim=(0, 1))
+        ax.legend()
+        save(fig, "acceptance_vs_gamma.png")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for drafter, ms in groups.items():
+            g = [m["gamma"] for m in ms]
+            line = ax.plot(g, [m["speedup_vs_plain"]["median"] for m in ms], "o-", label=f"{drafter} measured")[0]
+            ax.plot(g, [m["estimated_speedup"] or 0 for m in ms], "s--", color=line.get_color(), label=f"{drafter} estimated (formula)")
+            ax.plot(g, [m["estimated_speedup_tau"] or 0 for m in ms], "^:", color=line.get_color(), label=f"{drafter} estimated (from tau)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set(xlabel="gamma", ylabel="speedup vs plain specdec", title="Measured vs estimated speedup")
+        ax.legend(fontsize=7)
+        save(fig, "speedup_vs_gamma.png")
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for drafter, ms in groups.items():
+            m = max(ms, key=lambda m: m["gamma"])
+            rates = m["acceptance_per_position"]
+            ax.plot(range(1, len(rates) + 1), [r or 0 for r in rates], "o-", label=f"{drafter}, gamma={m['gamma']}")
+        ax.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance per draft position", ylim=(0, 1))
+        ax.legend()
+        save(fig, "acceptance_per_position.png")
+
+    fig, ax = plt.subplots(figsize=(7, max(3, 0.28 * len(results["methods"]))))
+    names = [m["name"] for m in results["methods"]]
+    med = [m["tokens_per_s"]["median"] for m in results["methods"]]
+    lo = [m["tokens_per_s"]["median"] - m["tokens_per_s"]["p25"] for m in results["methods"]]
+    hi = [m["tokens_per_s"]["p75"] - m["tokens_per_s"]["median"] for m in results["methods"]]
+    ax.barh(names, med, xerr=[lo, hi], color=["tab:grey" if n == PLAIN else "tab:blue" for n in names])
+    ax.invert_yaxis()
+    ax.set(xlabel="tokens/s (median over prompts, p25-p75)", title="Throughput per method")
+    save(fig, "tokens_per_s.png")
+
+    ratios = results["calibration"]["verify_ratio"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([int(k) for k in ratios], list(ratios.values()), "o-")
+    ax.set(xlabel="tokens per target forward (k)", ylabel="r(k) = t(k) / t(1)", title="Verify ratio (measured)")
+    save(fig, "verify_ratio.png")
+    return files
+
+
+def best(results: dict, predicate) -> dict | None:
+    ms = [m for m in results["methods"] if predicate(m) and m["tokens_per_s"]["median"] is not None]
+    return max(ms, key=lambda m: m["tokens_per_s"]["median"]) if ms else None
+
+
+def target_findings(results: dict) -> list[str]:
+    """The issue's speed targets against transformers, each met or not, with what bounds it."""
+    by_name = {m["name"]: m for m in results["methods"]}
+    plain, hf = by_name.get(PLAIN), by_name.get("hf")
+    spec = best(results, lambda m: m["family"] == "specdec" and m["drafter"] != "none")
+    pld = best(results, lambda m: m["family"] == "hf-pld")
+    lines = []
+    if plain and hf:
+        ratio = plain["speedup_vs_hf"]["median"]
+        lines.append(f"Plain decoding through specdec runs at {fmt(ratio)}x transformers `generate` "
+                     f"({fmt(plain['tokens_per_s']['median'], 1)} vs {fmt(hf['tokens_per_s']['median'], 1)} tok/s; target >= 1.0x: "
+                     f"{'met' if ratio and ratio >= 1.0 else 'not met'}).")
+    if spec and hf:
+        ratio = spec["speedup_vs_hf"]["median"]
+        lines.append(f"The fastest specdec method, {spec['name']}, runs at {fmt(ratio)}x transformers plain "
+                     f"(target >= 2.0x: {'met' if ratio and ratio >= 2.0 else 'not met'}) and "
+                     f"{fmt(spec['speedup_vs_plain']['median'])}x specdec plain.")
+    if spec and pld:
+        ratio = spec["tokens_per_s"]["median"] / pld["tokens_per_s"]["median"]
+        lines.append(f"Against transformers prompt lookup at its best size ({pld['name']}, "
+                     f"{fmt(pld['tokens_per_s']['median'], 1)} tok/s) it is {fmt(ratio)}x (target >= 1.5x: "
+                     f"{'met' if ratio >= 1.5 else 'not met'}).")
+    if spec and spec.get("acceptance_rate") is not None:
+        lines.append(bound_explanation(spec))
+    return lines
+
+
+def bound_explanation(m: dict) -> str:
+    """What limits a speculative method, from its measured alpha, tau, c and r."""
+    g, a, tau, c, r = m["gamma"], m["acceptance_rate"], m["mean_accepted_length"], m["cost_coefficient"], m["verify_ratio"]
+    cost = g * (c or 0) + (r or 1)
+    return (f"What bounds {m['name']}: each step emits tau = {fmt(tau)} tokens (acceptance {fmt(a)}, "
+            f"{fmt(m['drafted_per_step'])} tokens drafted per step on average) but costs {fmt(cost)} plain steps "
+            f"(verify ratio r({g + 1}) = {fmt(r)}, drafting gamma*c = {fmt(g * (c or 0), 3)}); the ceiling with free "
+            f"verification (r = 1, c = 0) would be {fmt(tau)}x. Raising acceptance raises tau; "
+            f"lowering r needs cheaper multi-token forwards.")
+
+
+def estimate_findings(results: dict) -> list[str]:
+    lines = []
+    for drafter, ms in spec_methods(results).items():
+        for m in ms:
+            measured, est, est_tau = m["speedup_vs_plain"]["median"], m["estimated_speedup"], m["estimated_speedup_tau"]
+            if measured and est:
+                gap = est / measured - 1
+                line = (f"{m['name']}: measured {fmt(measured)}x, estimated {fmt(est)}x by the formula "
+                        f"({gap:+.0%}), estimated {fmt(est_tau)}x from tau")
+                if abs(gap) > 0.25 and est_tau:
+                    tau_gap = est_tau / measured - 1
+                    line += (f" ({tau_gap:+.0%}): the formula assumes i.i.d. acceptance alpha = {fmt(m['acceptance_rate'])} "
+                             f"and gamma drafts every step, while {drafter} drafted {fmt(m['drafted_per_step'])} per step")
+                lines.append(line + ".")
+    return lines
+
+
+def markdown_table(results: dict) -> str:
+    cols = ["method", "tok/s median", "p25", "p75", "x plain", "x hf", "alpha", "tau", "c", "r(g+1)",
+            "est. x (formula)", "est. x (tau)", "lossless", "accuracy"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for m in results["methods"]:
+        t = m["tokens_per_s"]
+        lossless = "-" if "lossless" not in m else f"{m['matches_plain']}/{m['num_outputs']}"
+        cells = [m["name"], fmt(t["median"], 1), fmt(t["p25"], 1), fmt(t["p75"], 1),
+                 fmt(m["speedup_vs_plain"]["median"]), fmt(m["speedup_vs_hf"]["median"]),
+                 fmt(m.get("acceptance_rate")), fmt(m.get("mean_accepted_length")), fmt(m.get("cost_coefficient"), 3),
+                 fmt(m.get("verify_ratio")), fmt(m.get("estimated_speedup")), fmt(m.get("estimated_speedup_tau")),
+                 lossless, fmt(m["accuracy"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def category_table(results: dict) -> str:
+    """Median speedup vs plain per category (when the task set has categories)."""
+    cats = results["categories"]
+    if not cats:
+        return ""
+    import statistics
+
+    plain = {r["task_id"]: r["tokens_per_s"] for r in results["runs"] if r["method"] == PLAIN and r["repeat"] == 0}
+    lines = ["| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
+    for m in results["methods"]:
+        cells = []
+        for cat in cats:
+            ratios = [r["tokens_per_s"] / plain[r["task_id"]] for r in results["runs"]
+                      if r["method"] == m["name"] and r["category"] == cat and r["repeat"] == 0 and plain.get(r["task_id"])]
+            cells.append(fmt(statistics.median(ratios)) + "x" if ratios else "-")
+        lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(results: dict, plots: list[Path]) -> str:
+    env, cfg, cal = results["environment"], results["config"], results["calibration"]
+    where = env.get("gpu") or f"{env['processor']}, {env['cpu_threads']} CPU threads"
+    parts = [
+        f"# specdec bench: {results['task']}",
+        f"{results['num_prompts']} prompts, {cfg['max_new_tokens']} new tokens at most, "
+        f"temperature {cfg['sampling']['temperature']}, {cfg['repeats']} repeat(s); model `{env['model']}` "
+        f"({env['dtype']}) on {env['device']} ({where}); torch {env['torch']}, transformers {env['transformers']}, "
+        f"Python {env['python']}, {env['platform']}.",
+        "Methods ran interleaved prompt by prompt after a warm-up. Speeds are medians over prompts (p25-p75 shown); "
+        "speedups are medians of per-prompt ratios. c and r were measured in this run "
+        f"(r(k) at a context of {cal['context_len']} tokens); speedups marked 'est.' are estimates, not measurements.",
+        "## Results", markdown_table(results),
+    ]
+    cats = category_table(results)
+    if cats:
+        parts += ["## Speedup vs plain per category", cats]
+    parts += ["## Against the targets", "\n".join(f"- {line}" for line in target_findings(results))]
+    est = estimate_findings(results)
+    if est:
+        parts += ["## Measured vs estimated", "\n".join(f"- {line}" for line in est)]
+    if results["notes"]:
+        parts += ["## Notes", "\n".join(f"- {n}" for n in results["notes"])]
+    parts += ["## Plots"] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,339 @@
+"""`specdec bench`: every method on the same prompts, in the same run, interleaved.
+
+For each prompt (and repeat) the methods run one after another (A B C A B C ...) after a warm-up,
+so machine drift hits them alike. Methods: plain decoding through specdec (`specdec/none`, the
+baseline), each drafter x gamma (`specdec/ngram/4`), and peers (`hf`, `hf-pld/4`, `hf-assisted/4`,
+`llamacpp`, `llamacpp-pld/4`). Per method it reports tokens/s (median over prompts, with quartiles),
+the measured speedup (median over prompts of the per-prompt ratio to specdec/none and to hf),
+acceptance, tau, the measured cost coefficient c and verify ratio r, the estimated speedups, whether
+every greedy output equals plain greedy decoding, and GSM8K accuracy where references exist.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from specdec.analysis.speedup import (
+    cost_coefficient,
+    estimated_speedup,
+    estimated_speedup_from_tau,
+    measure_forward_times,
+    verify_ratios,
+)
+from specdec.api import encode_prompt
+from specdec.bench.peers import PEERS, HFPeer, LlamaCppPeer, llama_cpp_available
+from specdec.bench.tasks import Task, is_correct, load_tasks
+from specdec.config import SamplingParams, SpecConfig
+from specdec.drafters import DRAFTERS, DrafterOptions
+from specdec.engine import SpecEngine
+from specdec.errors import UserError
+from specdec.models import load_model
+from specdec.models.loading import DEFAULT_MODEL, default_gguf_path
+
+PLAIN = "specdec/none"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    task: str = "gsm8k-eval"
+    limit: int | None = 20
+    model: str = DEFAULT_MODEL
+    drafters: tuple[str, ...] = ("ngram",)
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    peers: tuple[str, ...] = ("hf", "hf-pld")
+    pld_gammas: tuple[int, ...] | None = None  # prompt-lookup sizes for hf-pld / llamacpp-pld (default: gammas)
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    repeats: int = 1
+    draft_model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    chat: bool = True
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.gammas or min(self.gammas) < 1:
+            raise UserError(f"gammas must be >= 1, got {list(self.gammas)}")
+        if self.repeats < 1:
+            raise UserError(f"repeats must be >= 1, got {self.repeats}")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        unknown = [d for d in self.drafters if d not in DRAFTERS]
+        if unknown:
+            raise UserError(f"unknown drafter(s) {unknown}; choose from {sorted(DRAFTERS)}")
+        bad_peers = [p for p in self.peers if p not in PEERS]
+        if bad_peers:
+            raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)}")
+        if ("draft_model" in self.drafters or "hf-assisted" in self.peers) and self.draft_model is None:
+            raise UserError("the draft_model drafter and the hf-assisted peer need --draft-model")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # e.g. "specdec/ngram/4", "hf", "hf-pld/4"
+    family: str  # "specdec" or a peer name
+    drafter: str | None = None
+    gamma: int = 0
+
+
+@dataclass
+class RunRecord:
+    """One method on one prompt (one repeat)."""
+
+    method: str
+    task_id: str
+    category: str | None
+    repeat: int
+    num_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    token_ids: list[int]
+    text: str | None
+    correct: bool | None
+    stats: dict | None  # SpecStats.to_dict() for specdec methods
+
+
+def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method], list[str]]:
+    """The methods to run, in interleaving order, and one-line notes about skipped peers."""
+    methods = [Method(PLAIN, "specdec", "none", 0)]
+    for drafter in config.drafters:
+        if drafter != "none":
+            methods += [Method(f"specdec/{drafter}/{g}", "specdec", drafter, g) for g in config.gammas]
+    notes = []
+    pld = config.pld_gammas or config.gammas
+    for peer in config.peers:
+        if peer.startswith("llamacpp") and not have_llama_cpp:
+            notes.append(f"{peer}: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python`)")
+            continue
+        if peer in ("hf", "llamacpp"):
+            methods.append(Method(peer, peer))
+        else:
+            sizes = pld if peer.endswith("pld") else config.gammas
+            methods += [Method(f"{peer}/{g}", peer, None, g) for g in sizes]
+    return methods, notes
+
+
+class Runner:
+    """Holds the loaded models and peers; runs one method on one prompt."""
+
+    def __init__(self, config: BenchConfig, methods: list[Method]) -> None:
+        self.config = config
+        self.target = load_model(config.model, dtype=config.dtype, device=config.device)
+        if self.target.tokenizer is None:
+            raise UserError(f"{config.model} has no tokenizer: bench needs one to encode its prompts")
+        p = next(self.target.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.draft = None
+        if config.draft_model is not None:
+            self.draft = load_model(config.draft_model, dtype=self.dtype, device=str(self.device))
+        options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min)
+        self.engines = {m.name: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
+        self.hf = None
+        if any(m.family.startswith("hf") for m in methods):
+            self.hf = HFPeer(self.target.name, self.dtype, self.device, self.draft.name if self.draft is not None else None)
+        self.llama = None
+        if any(m.family.startswith("llamacpp") for m in methods):
+            self.llama = LlamaCppPeer(gguf_of(config.model), torch.get_num_threads(), context=4096)
+
+    def encode(self, task: Task) -> list[int]:
+        return encode_prompt(self.target.tokenizer, task.prompt, chat=self.config.chat)
+
+    def run(self, method: Method, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float, dict | None]:
+        sampling = self.config.sampling
+        if method.family == "specdec":
+            spec = SpecConfig(gamma=max(method.gamma, 1), max_new_tokens=max_new_tokens, sampling=sampling)
+            row = self.engines[method.name].generate([prompt], spec).rows[0]
+            return row.token_ids, row.stats.wall_s, row.stats.to_dict()
+        peer = self.llama if method.family.startswith("llamacpp") else self.hf
+        out = peer.generate(prompt, max_new_tokens, sampling, method.family, method.gamma)
+        return out.token_ids, out.wall_s, None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def gguf_of(model: str):
+    from pathlib import Path
+
+    if model == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return path
+    raise UserError("the llamacpp peers need a GGUF target (the default model or a .gguf file)")
+
+
+def run_bench(config: BenchConfig, progress: bool = True) -> dict:
+    """Run every method on every prompt, interleaved; return the results document (results.json)."""
+    tasks = load_tasks(config.task, config.limit)
+    methods, notes = plan_methods(config, llama_cpp_available())
+    runner = Runner(config, methods)
+    prompts = [runner.encode(t) for t in tasks]
+
+    for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
+        runner.run(method, prompts[0], min(16, config.max_new_tokens))
+
+    records: list[RunRecord] = []
+    total = config.repeats * len(tasks) * len(methods)
+    with tqdm(total=total, desc="bench", disable=not progress, unit="run") as bar:
+        for repeat in range(config.repeats):
+            for task, prompt in zip(tasks, prompts):
+                for method in methods:
+                    bar.set_postfix_str(method.name)
+                    ids, wall, stats = runner.run(method, prompt, config.max_new_tokens)
+                    text = runner.decode(ids)
+                    records.append(RunRecord(
+                        method=method.name, task_id=task.id, category=task.category, repeat=repeat,
+                        num_tokens=len(ids), wall_s=wall, tokens_per_s=len(ids) / wall if wall > 0 else 0.0,
+                        token_ids=ids, text=text, stats=stats,
+                        correct=is_correct(text, task.reference) if task.reference else None,
+                    ))
+                    bar.update()
+
+    calibration = calibrate(runner, prompts, records, methods)
+    summaries = [summarize(m, records, calibration, config.sampling.greedy) for m in methods]
+    return {
+        "schema": "specdec.bench/1",
+        "config": {**asdict(config), "sampling": asdict(config.sampling)},
+        "environment": environment(runner),
+        "task": config.task,
+        "num_prompts": len(tasks),
+        "categories": sorted({t.category for t in tasks if t.category}),
+        "notes": notes,
+        "calibration": calibration,
+        "methods": summaries,
+        "runs": [asdict(r) for r in records],
+    }
+
+
+def calibrate(runner: Runner, prompts: list[list[int]], records: list[RunRecord], methods: list[Method]) -> dict:
+    """Time target forwards over k = 1..max(gamma)+1 new tokens at a typical context length."""
+    plain_outputs = [r.token_ids for r in records if r.method == PLAIN and r.repeat == 0]
+    context_len = int(statistics.median(len(p) for p in prompts) + statistics.median(len(o) for o in plain_outputs) / 2)
+    context = (prompts[0] + plain_outputs[0] + prompts[0] * 8)[: max(context_len, 2)]
+    ks = list(range(1, max([m.gamma for m in methods] + [1]) + 2))
+    times = measure_forward_times(runner.target, context, ks)
+    return {
+        "context_len": len(context),
+        "forward_s": {str(k): t for k, t in times.items()},
+        "verify_ratio": {str(k): r for k, r in verify_ratios(times).items()},
+    }
+
+
+def quartiles(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "p25": None, "p75": None, "min": None, "max": None}
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "p25": q[0], "p75": q[2], "min": min(values), "max": max(values)}
+
+
+def per_prompt(records: list[RunRecord], method: str) -> dict[str, list[RunRecord]]:
+    out: dict[str, list[RunRecord]] = {}
+    for r in records:
+        if r.method == method:
+            out.setdefault(r.task_id, []).append(r)
+    return out
+
+
+def median_speed(runs: list[RunRecord]) -> float:
+    return statistics.median(r.tokens_per_s for r in runs)
+
+
+def speedups(records: list[RunRecord], method: str, baseline: str) -> list[float]:
+    """Per-prompt ratio of median tokens/s (over repeats) to the baseline's on the same prompt."""
+    mine, base = per_prompt(records, method), per_prompt(records, baseline)
+    return [median_speed(mine[t]) / median_speed(base[t]) for t in mine if t in base and median_speed(base[t]) > 0]
+
+
+def summarize(method: Method, records: list[RunRecord], calibration: dict, greedy: bool) -> dict:
+    runs = per_prompt(records, method.name)
+    speeds = [median_speed(v) for v in runs.values()]
+    first = [v[0] for v in runs.values()]
+    correct = [r.correct for r in first if r.correct is not None]
+    summary = {
+        **asdict(method),
+        "tokens_per_s": quartiles(speeds),
+        "speedup_vs_plain": quartiles(speedups(records, method.name, PLAIN)),
+        "speedup_vs_hf": quartiles(speedups(records, method.name, "hf")),
+        "accuracy": sum(correct) / len(correct) if correct else None,
+        "mean_new_tokens": statistics.mean(r.num_tokens for r in first),
+    }
+    if greedy:
+        plain = {t: v[0].token_ids for t, v in per_prompt(records, PLAIN).items()}
+        same = [r.token_ids == plain[r.task_id] for rs in runs.values() for r in rs]
+        summary["matches_plain"] = sum(same)
+        summary["num_outputs"] = len(same)
+        summary["lossless"] = all(same)
+    if method.family == "specdec":
+        summary.update(acceptance_summary(method, [r.stats for rs in runs.values() for r in rs], calibration))
+    return summary
+
+
+def acceptance_summary(method: Method, stats: list[dict], calibration: dict) -> dict:
+    """Acceptance, tau, measured c and r, and both estimated speedups for one specdec method."""
+    drafted = sum(s["drafted"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    decode_steps = sum(s["steps"] - 1 for s in stats)  # the prefill step drafts nothing
+    emitted_after_prefill = sum(s["emitted"] - 1 for s in stats)
+    ratios = {int(k): v for k, v in calibration["verify_ratio"].items()}
+    t1 = calibration["forward_s"]["1"]
+    alpha = accepted / drafted if drafted else None
+    tau = emitted_after_prefill / decode_steps if decode_steps else None
+    drafted_per_step = drafted / decode_steps if decode_steps else 0.0
+    c = cost_coefficient(sum(s["draft_s"] for s in stats), decode_steps, method.gamma, t1) if method.gamma else None
+    out = {
+        "acceptance_rate": alpha,
+        "mean_accepted_length": tau,
+        "drafted_per_step": drafted_per_step,
+        "cost_coefficient": c,
+        "verify_ratio": ratios.get(method.gamma + 1),
+        "estimated_speedup": None,
+        "estimated_speedup_tau": None,
+        "acceptance_per_position": pool_per_position(stats),
+    }
+    if method.gamma and alpha is not None and c is not None:
+        out["estimated_speedup"] = estimated_speedup(alpha, method.gamma, c, ratios[method.gamma + 1])
+        c_token = c * method.gamma / drafted_per_step if drafted_per_step else 0.0
+        out["estimated_speedup_tau"] = estimated_speedup_from_tau(tau, drafted_per_step, c_token, ratios)
+    return out
+
+
+def pool_per_position(stats: list[dict]) -> list[float | None]:
+    """Per-position acceptance pooled over runs (weighted by how often each position was drafted)."""
+    drafted: list[float] = []
+    accepted: list[float] = []
+    for s in stats:
+        for i, (d, a) in enumerate(zip(s["drafted_per_position"], s["accepted_per_position"])):
+            if i == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[i] += d
+            accepted[i] += a
+    return [a / d if d else None for a, d in zip(accepted, drafted)]
+
+
+def environment(runner: Runner) -> dict:
+    import transformers
+
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "model": runner.config.model,
+        "model_folder": runner.target.name,
+    }
+    if runner.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(runner.device)
+    return env
