@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.errors import UserError
+from specdec.paths import cache_root
 from specdec.models.linear import use_cpu_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
 
@@ -45,13 +46,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def cache_root() -> Path:
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specdec"
-    )
-    return Path(root)
 
 
 def default_gguf_path() -> Path:
