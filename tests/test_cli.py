@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from conftest import tiny_pair
+from conftest import DEVICE, tiny_pair
 from specdec.cli import first_difference, main
 
+# The default model on the test device, in float32 (on CUDA `--dtype auto` would pick bfloat16, whose
+# kernels may round differently per block size; the lossless check below is the float32 guarantee).
+ON_DEVICE = ("--device", DEVICE, "--dtype", "float32")
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
@@ -39,6 +42,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
 def test_bad_input_is_one_clear_line(capsys, args, message):
+    """Each mistake is caught before any model is loaded (no model is cached in CI at this point)."""
     code, out, err = run_cli(capsys, *args)
     assert code == 2
     assert err.startswith("specdec: error: ") and message in err
@@ -47,7 +51,7 @@ def test_bad_input_is_one_clear_line(capsys, args, message):
 
 @pytest.mark.slow
 def test_prompt_longer_than_context(capsys, default_model):
-    code, _, err = run_cli(capsys, "generate", "word " * 9000, "--raw")
+    code, _, err = run_cli(capsys, "generate", "word " * 9000, "--raw", *ON_DEVICE)
     assert code == 2 and "does not fit the model's context" in err
 
 
@@ -55,7 +59,7 @@ def test_prompt_longer_than_context(capsys, default_model):
 def test_draft_model_with_another_vocabulary(capsys, default_model, tmp_path):
     _, hf = tiny_pair(tmp_path, "llama", seed=3)
     folder = tmp_path / "llama-3"
-    code, _, err = run_cli(capsys, "generate", "hi", "--drafter", "draft_model", "--draft-model", str(folder))
+    code, _, err = run_cli(capsys, "generate", "hi", "--drafter", "draft_model", "--draft-model", str(folder), *ON_DEVICE)
     assert code == 2 and "vocabular" in err
 
 
@@ -70,10 +74,11 @@ def test_subprocess_exit_code_and_no_traceback():
 @pytest.mark.slow
 def test_generate_json_check_lossless(capsys, default_model):
     code, out, _ = run_cli(
-        capsys, "generate", QUESTION, "--drafter", "ngram", "--check-lossless", "--json", "--max-new-tokens", "48"
+        capsys, "generate", QUESTION, "--drafter", "ngram", "--check-lossless", "--json", "--max-new-tokens", "48", *ON_DEVICE
     )
     assert code == 0
     report = json.loads(out)
+    assert report["device"].split(":")[0] == DEVICE.split(":")[0] and report["dtype"] == "float32"
     assert report["lossless"] is True and report["first_difference"] is None
     stats = report["stats"]
     for key in ("steps", "drafted", "accepted", "acceptance_rate", "acceptance_per_position", "mean_accepted_length", "tokens_per_s", "wall_s"):

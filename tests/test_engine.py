@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import specdec
-from conftest import tiny_pair
+from conftest import DEVICE, on_device, tiny_pair
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.drafters import DrafterOptions
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 40
@@ -29,7 +31,7 @@ def plain(models):
 
 
 def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)  # [1, T]
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
     return out[0, len(prompt):].tolist()
 
@@ -51,6 +53,21 @@ def test_speculative_greedy_equals_plain(models, plain, drafter, gamma, batch):
     assert [r.token_ids for r in out.rows] == expected
     assert out.stats.drafted > 0
     assert out.stats.emitted == sum(len(e) for e in expected)
+
+
+def test_everything_runs_on_the_test_device(models):
+    """Models, caches, drafts, logits and verification results all live on DEVICE (SPECDEC_TEST_DEVICE)."""
+    target, hf, draft = models
+    assert all(on_device(p) for m in (target, hf, draft) for p in m.parameters())
+    assert on_device(target.new_cache(1, 4).k) and on_device(target.inv_freq)
+    steps = []
+    engine = SpecEngine(target, "draft_model", DrafterOptions(draft_model=draft))
+    sampling = SamplingParams(temperature=1.0, seed=0)
+    engine.generate(PROMPTS, SpecConfig(gamma=3, max_new_tokens=8, sampling=sampling), observer=steps.append)
+    assert steps
+    for s in steps:
+        tensors = [s.draft_tokens, s.q, s.num_drafted, s.target_logits, s.result.tokens, s.result.num_accepted]
+        assert all(on_device(t) for t in tensors)
 
 
 def test_draft_model_of_itself_accepts_everything(models):

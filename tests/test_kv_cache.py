@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEVICE
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
 
 
 def small_cache(batch_size: int = 2, max_len: int = 8) -> KVCache:
-    return KVCache(num_layers=2, batch_size=batch_size, num_kv_heads=1, max_len=max_len, head_dim=3, dtype=torch.float32, device="cpu")
+    return KVCache(num_layers=2, batch_size=batch_size, num_kv_heads=1, max_len=max_len, head_dim=3, dtype=torch.float32, device=DEVICE)
 
 
 def label_slots(cache: KVCache) -> None:
     """Fill every slot with a value naming it: k = 100 * row + slot, v = -k."""
     L, B, H, S, Dh = cache.k.shape
-    labels = 100 * torch.arange(B)[:, None] + torch.arange(S)[None, :]  # [B, S]
+    labels = 100 * torch.arange(B, device=DEVICE)[:, None] + torch.arange(S, device=DEVICE)[None, :]  # [B, S]
     cache.k.copy_(labels[None, :, None, :, None].expand(L, B, H, S, Dh).float())
     cache.v.copy_(-cache.k)
 
@@ -35,9 +36,9 @@ def slot_labels(cache: KVCache, row: int) -> list[int]:
 
 def test_trim_rolls_back_per_row_and_never_forward():
     cache = small_cache()
-    cache.lengths.copy_(torch.tensor([5, 3]))
+    cache.lengths.copy_(torch.tensor([5, 3], device=DEVICE))
     label_slots(cache)
-    cache.trim(torch.tensor([4, 6]))
+    cache.trim(torch.tensor([4, 6], device=DEVICE))
     assert cache.lengths.tolist() == [4, 3]
     assert slot_labels(cache, 0) == list(range(8))  # trim forgets slots, it does not touch data
     assert slot_labels(cache, 1) == [100 + s for s in range(8)]
@@ -45,13 +46,13 @@ def test_trim_rolls_back_per_row_and_never_forward():
 
 def test_reserve_returns_the_next_slots_per_row():
     cache = small_cache()
-    cache.lengths.copy_(torch.tensor([2, 5]))
+    cache.lengths.copy_(torch.tensor([2, 5], device=DEVICE))
     assert cache.reserve(3).tolist() == [[2, 3, 4], [5, 6, 7]]
 
 
 def test_reserve_past_max_len_raises_user_error():
     cache = small_cache(max_len=8)
-    cache.lengths.copy_(torch.tensor([2, 6]))
+    cache.lengths.copy_(torch.tensor([2, 6], device=DEVICE))
     cache.reserve(2)  # row 1 ends exactly at the last slot
     with pytest.raises(UserError):
         cache.reserve(3)
@@ -59,9 +60,9 @@ def test_reserve_past_max_len_raises_user_error():
 
 def test_model_forward_past_the_cache_raises_user_error(tiny):
     cache = tiny.new_cache(1, 4)
-    tiny(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)
+    tiny(torch.tensor([[1, 2, 3]], device=DEVICE), torch.arange(3, device=DEVICE)[None], cache)
     with pytest.raises(UserError):
-        tiny(torch.tensor([[4, 5]]), torch.tensor([[3, 4]]), cache)
+        tiny(torch.tensor([[4, 5]], device=DEVICE), torch.tensor([[3, 4]], device=DEVICE), cache)
 
 
 # ---------------------------------------------------------------- compact
@@ -70,10 +71,10 @@ def test_model_forward_past_the_cache_raises_user_error(tiny):
 def test_compact_moves_the_kept_slots_into_a_contiguous_run():
     cache = small_cache()
     label_slots(cache)
-    cache.lengths.copy_(torch.tensor([6, 5]))  # row 0 wrote a block at slots 2..5, row 1 at 1..4
-    start = torch.tensor([2, 1])  # [B]
-    keep = torch.tensor([[0, 2, 3], [1, 3, 0]])  # [B, N] offsets into the block; row 1's last is padding
-    cache.compact(start, keep, num_keep=torch.tensor([3, 2]))
+    cache.lengths.copy_(torch.tensor([6, 5], device=DEVICE))  # row 0 wrote a block at slots 2..5, row 1 at 1..4
+    start = torch.tensor([2, 1], device=DEVICE)  # [B]
+    keep = torch.tensor([[0, 2, 3], [1, 3, 0]], device=DEVICE)  # [B, N] offsets into the block; row 1's last is padding
+    cache.compact(start, keep, num_keep=torch.tensor([3, 2], device=DEVICE))
     assert cache.lengths.tolist() == [5, 3]
     assert slot_labels(cache, 0)[:5] == [0, 1, 2, 4, 5]  # prefix untouched, then offsets 0, 2, 3
     assert slot_labels(cache, 1)[:3] == [100, 102, 104]  # prefix untouched, then offsets 1, 3
@@ -82,7 +83,8 @@ def test_compact_moves_the_kept_slots_into_a_contiguous_run():
 def test_compact_of_the_identity_path_changes_nothing():
     cache = small_cache()
     label_slots(cache)
-    cache.compact(torch.tensor([1, 3]), torch.tensor([[0, 1], [0, 1]]), num_keep=torch.tensor([2, 1]))
+    start, keep = torch.tensor([1, 3], device=DEVICE), torch.tensor([[0, 1], [0, 1]], device=DEVICE)  # [B], [B, N]
+    cache.compact(start, keep, num_keep=torch.tensor([2, 1], device=DEVICE))
     assert cache.lengths.tolist() == [3, 4]
     assert slot_labels(cache, 0) == list(range(8))
     assert slot_labels(cache, 1) == [100 + s for s in range(8)]
@@ -98,8 +100,8 @@ CONTINUATION = [[11, 12], [13, 14]]  # what truly comes next
 
 def forward_chain(model, cache: KVCache, tokens: list[list[int]]):
     """Feed one block [B, T] at each row's next positions (a chain: position == slot)."""
-    block = torch.tensor(tokens)  # [B, T]
-    positions = cache.lengths[:, None] + torch.arange(block.shape[1])  # [B, T]
+    block = torch.tensor(tokens, device=DEVICE)  # [B, T]
+    positions = cache.lengths[:, None] + torch.arange(block.shape[1], device=DEVICE)  # [B, T]
     return model(block, positions, cache)
 
 
@@ -107,12 +109,12 @@ def speculative_cache(model):
     """Prefill (right-padded), write a speculative block, trim each row to what it keeps, then write
     the continuation. Returns the cache and the continuation's logits [B, T, V]."""
     cache = model.new_cache(2, 16)
-    lengths = torch.tensor([len(p) for p in PROMPTS])  # [B]
+    lengths = torch.tensor([len(p) for p in PROMPTS], device=DEVICE)  # [B]
     width = int(lengths.max())
     forward_chain(model, cache, [p + [p[-1]] * (width - len(p)) for p in PROMPTS])
     cache.trim(lengths)
     forward_chain(model, cache, REJECTED)
-    cache.trim(lengths + torch.tensor(KEPT))
+    cache.trim(lengths + torch.tensor(KEPT, device=DEVICE))
     return cache, forward_chain(model, cache, CONTINUATION).logits
 
 

@@ -8,27 +8,30 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, build_hf, save_hf
+from conftest import DEVICE, TINY, build_hf, save_hf
 from specdec.errors import UserError
 from specdec.models import LlamaModel, ModelConfig, load_model
 from specdec.models.hf_adapter import HFAdapter
 
 ATOL = 1e-4
+AUTO_DTYPE = torch.bfloat16 if torch.device(DEVICE).type == "cuda" else torch.float32  # what dtype="auto" picks
 
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
-    """(HF Llama, the folder it was saved to with save_pretrained)."""
+    """(HF Llama on DEVICE, the folder it was saved to with save_pretrained)."""
     hf = build_hf("llama")
-    return hf, save_hf(hf, tmp_path_factory.mktemp("llama") / "model")
+    folder = save_hf(hf, tmp_path_factory.mktemp("llama") / "model")
+    return hf.to(DEVICE), folder
 
 
-def tokens_of(length: int, seed: int = 0) -> torch.Tensor:  # [1, length]
-    return torch.randint(0, TINY["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed))
+def tokens_of(length: int, seed: int = 0) -> torch.Tensor:  # [1, length] on DEVICE
+    # Drawn on the CPU, then moved: the same tokens on every device.
+    return torch.randint(0, TINY["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def positions_of(start: int, length: int) -> torch.Tensor:  # [1, length]
-    return torch.arange(start, start + length)[None]
+    return torch.arange(start, start + length, device=DEVICE)[None]
 
 
 def full_logits(model, tokens: torch.Tensor) -> torch.Tensor:  # tokens [1, T] -> [1, T, V]
@@ -44,7 +47,7 @@ def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:  # tokens [1, T] -> [1,
 
 def test_load_hf_folder_native(llama_folder):
     hf, folder = llama_folder
-    model = load_model(str(folder), dtype="float32", device="cpu")
+    model = load_model(str(folder), dtype="float32", device=DEVICE)
     assert isinstance(model, LlamaModel)
     assert model.name == str(folder)
     assert (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim) == (2, 2, 16)
@@ -55,11 +58,11 @@ def test_load_hf_folder_native(llama_folder):
 
 @pytest.mark.parametrize(
     "dtype, expected",
-    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", torch.float32), (torch.bfloat16, torch.bfloat16)],
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", AUTO_DTYPE), (torch.bfloat16, torch.bfloat16)],
 )
 def test_dtype(llama_folder, dtype, expected):
     hf, folder = llama_folder
-    model = load_model(str(folder), dtype=dtype, device="cpu")
+    model = load_model(str(folder), dtype=dtype, device=DEVICE)
     assert {p.dtype for p in model.parameters()} == {expected}
     tokens = tokens_of(8)
     logits = full_logits(model, tokens)  # [1, T, V]
@@ -81,7 +84,7 @@ def test_dtype(llama_folder, dtype, expected):
 def test_bad_arguments_raise_user_error(llama_folder, kwargs, message):
     _, folder = llama_folder
     with pytest.raises(UserError, match=message):
-        load_model(str(folder), **{"dtype": "float32", "device": "cpu", **kwargs})
+        load_model(str(folder), **{"dtype": "float32", "device": DEVICE, **kwargs})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -92,37 +95,37 @@ def test_cuda_without_cuda_raises_user_error(llama_folder):
 
 def test_missing_model_path_raises_user_error(tmp_path):
     with pytest.raises(UserError, match="model not found"):
-        load_model(str(tmp_path / "no-such-model"), device="cpu")
+        load_model(str(tmp_path / "no-such-model"), device=DEVICE)
 
 
 def test_folder_without_config_or_gguf_raises_user_error(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(UserError, match="has no config.json"):
-        load_model(str(tmp_path), device="cpu")
+        load_model(str(tmp_path), device=DEVICE)
 
 
 def test_non_model_file_raises_user_error(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("not a model")
     with pytest.raises(UserError, match="neither a model folder nor a .gguf file"):
-        load_model(str(path), device="cpu")
+        load_model(str(path), device=DEVICE)
 
 
 def test_folder_without_weights_raises_user_error(llama_folder, tmp_path):
     (tmp_path / "config.json").write_text((llama_folder[1] / "config.json").read_text())
     with pytest.raises(UserError, match="no .safetensors"):
-        load_model(str(tmp_path), dtype="float32", device="cpu")
+        load_model(str(tmp_path), dtype="float32", device=DEVICE)
 
 
 # --- the transformers adapter ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def adapter(llama_folder):
-    return load_model(str(llama_folder[1]), dtype="float32", device="cpu", backend="hf")
+    return load_model(str(llama_folder[1]), dtype="float32", device=DEVICE, backend="hf")
 
 
 def test_adapter_matches_native(llama_folder, adapter):
-    native = load_model(str(llama_folder[1]), dtype="float32", device="cpu")
+    native = load_model(str(llama_folder[1]), dtype="float32", device=DEVICE)
     assert isinstance(adapter, HFAdapter)
     tokens = tokens_of(16)
     diff = (full_logits(adapter, tokens) - full_logits(native, tokens)).abs().max()
@@ -135,7 +138,7 @@ def test_adapter_incremental_with_trim(adapter):
     cache = adapter.new_cache(1, 32)
     prefix = adapter(tokens[:, :11], positions_of(0, 11), cache).logits  # [1, 11, V]
     adapter(tokens_of(3, seed=2), positions_of(11, 3), cache)
-    cache.trim(torch.tensor([11]))
+    cache.trim(torch.tensor([11], device=DEVICE))
     assert cache.lengths.tolist() == [11] and cache.past.get_seq_length() == 11
     step = adapter(tokens[:, 11:12], positions_of(11, 1), cache).logits  # [1, 1, V]
     block = adapter(tokens[:, 12:], positions_of(12, 4), cache).logits  # [1, 4, V]
@@ -146,7 +149,7 @@ def test_adapter_incremental_with_trim(adapter):
 def test_adapter_rejects_batches_and_trees(adapter):
     with pytest.raises(UserError, match="batch size 1"):
         adapter.new_cache(batch_size=2, max_len=16)
-    mask = torch.ones(1, 2, 2, dtype=torch.bool).tril()  # [1, T, T]
+    mask = torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE).tril()  # [1, T, T]
     with pytest.raises(UserError, match="tree attention masks need a native model"):
         adapter(tokens_of(2), positions_of(0, 2), adapter.new_cache(1, 8), mask=mask)
 
@@ -154,7 +157,8 @@ def test_adapter_rejects_batches_and_trees(adapter):
 @pytest.mark.parametrize("model_type", ["gpt2", "gemma"])
 def test_non_native_architecture_loads_through_adapter(model_type, tmp_path):
     hf = build_hf(model_type)
-    model = load_model(str(save_hf(hf, tmp_path / model_type)), dtype="float32", device="cpu", backend="auto")
+    model = load_model(str(save_hf(hf, tmp_path / model_type)), dtype="float32", device=DEVICE, backend="auto")
+    hf = hf.to(DEVICE)
     assert isinstance(model, HFAdapter) and model.config.model_type == model_type
     tokens = tokens_of(12)
     assert (full_logits(model, tokens) - hf_logits(hf, tokens)).abs().max() < ATOL
@@ -163,7 +167,7 @@ def test_non_native_architecture_loads_through_adapter(model_type, tmp_path):
 def test_native_backend_refuses_non_native_architecture(tmp_path):
     folder = save_hf(build_hf("gpt2"), tmp_path / "gpt2")
     with pytest.raises(UserError, match="no native implementation"):
-        load_model(str(folder), dtype="float32", device="cpu", backend="native")
+        load_model(str(folder), dtype="float32", device=DEVICE, backend="native")
 
 
 # --- config parsing ----------------------------------------------------------------------------
@@ -193,13 +197,13 @@ def test_old_style_config_json_loads_like_new_style(tmp_path):
     """A config.json from older transformers (rope_theta + rope_scaling) builds the same model."""
     hf = build_hf("llama", rope_parameters={"rope_theta": 500000.0, **SCALINGS["llama3"]})
     folder = save_hf(hf, tmp_path / "new")
-    new_model = load_model(str(folder), dtype="float32", device="cpu")
+    new_model = load_model(str(folder), dtype="float32", device=DEVICE)
     config = json.loads((folder / "config.json").read_text())
     rope = config.pop("rope_parameters")
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
     (folder / "config.json").write_text(json.dumps(config))
-    old_model = load_model(str(folder), dtype="float32", device="cpu")
+    old_model = load_model(str(folder), dtype="float32", device=DEVICE)
     assert old_model.config == new_model.config
     assert torch.equal(old_model.inv_freq, new_model.inv_freq)
 

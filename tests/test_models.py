@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY, build_hf, save_hf
+from conftest import DEVICE, TINY, build_hf, save_hf
 from specdec.models import load_model
 from specdec.models.rope import build_rope
 
@@ -42,10 +42,10 @@ def perturb_biases_and_norms(hf) -> None:
 
 
 def perturbed_pair(folder, model_type: str = "llama", **overrides):
-    """(native model, HF model) of a random tiny config, float32, loaded through specdec's loader."""
+    """(native model, HF model) of a random tiny config, float32, loaded through specdec's loader; both on DEVICE."""
     hf = build_hf(model_type, **overrides)
-    perturb_biases_and_norms(hf)
-    return load_model(str(save_hf(hf, folder / "model")), dtype="float32", device="cpu"), hf
+    perturb_biases_and_norms(hf)  # on the CPU, so the weights are the same whatever the test device
+    return load_model(str(save_hf(hf, folder / "model")), dtype="float32", device=DEVICE), hf.to(DEVICE)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -64,8 +64,9 @@ def window_pair(tmp_path_factory):
     return perturbed_pair(tmp_path_factory.mktemp("mistral"), "mistral", sliding_window=4)
 
 
-def random_tokens(length: int, seed: int) -> torch.Tensor:  # [1, length]
-    return torch.randint(0, TINY["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed))
+def random_tokens(length: int, seed: int) -> torch.Tensor:  # [1, length] on DEVICE
+    # Drawn on the CPU, then moved: the same tokens on every device, so CPU and GPU runs test the same inputs.
+    return torch.randint(0, TINY["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:  # tokens [B, T] -> [B, T, V]
@@ -74,7 +75,7 @@ def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:  # tokens [B, T] -> [B,
 
 
 def chain_positions(start: int, length: int) -> torch.Tensor:  # [1, length]
-    return torch.arange(start, start + length)[None]
+    return torch.arange(start, start + length, device=DEVICE)[None]
 
 
 def native_chunked(model, tokens: torch.Tensor, chunks: list[int], rollback: int = 0) -> torch.Tensor:
@@ -90,7 +91,7 @@ def native_chunked(model, tokens: torch.Tensor, chunks: list[int], rollback: int
         if rollback and i > 0:
             junk = random_tokens(rollback, seed=start)  # [1, rollback]
             model(junk, chain_positions(start, rollback), cache)
-            cache.trim(torch.tensor([start]))
+            cache.trim(torch.tensor([start], device=DEVICE))
         outs.append(model(tokens[:, start : start + n], chain_positions(start, n), cache).logits)
         start += n
     return torch.cat(outs, dim=1)
@@ -112,8 +113,9 @@ def test_rope_scaling_changes_frequencies(pair):
     model, hf = pair
     scaled = model.config.rope_scaling is not None
     assert scaled == (hf.config.rope_parameters["rope_type"] != "default")
-    assert torch.allclose(model.inv_freq, unscaled_inv_freq(model)) != scaled
-    assert torch.allclose(model.inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=1e-6)
+    inv_freq = model.inv_freq.cpu()  # [Dh/2]
+    assert torch.allclose(inv_freq, unscaled_inv_freq(model)) != scaled
+    assert torch.allclose(inv_freq, hf.model.rotary_emb.inv_freq.float().cpu(), rtol=1e-6)
     assert model.rope_attention_factor == pytest.approx(hf.model.rotary_emb.attention_scaling)
 
 
@@ -137,16 +139,16 @@ def test_ragged_batch_matches_transformers_per_row(pair):
     prompt_lens, new = [20, 13], 4
     rows = [random_tokens(n + new, seed=10 + i)[0] for i, n in enumerate(prompt_lens)]  # each [n + new]
     width = max(prompt_lens)
-    prompts = torch.zeros(2, width, dtype=torch.long)  # [2, width], pad id 0
+    prompts = torch.zeros(2, width, dtype=torch.long, device=DEVICE)  # [2, width], pad id 0
     for i, n in enumerate(prompt_lens):
         prompts[i, :n] = rows[i][:n]
-    lengths = torch.tensor(prompt_lens)  # [2]
+    lengths = torch.tensor(prompt_lens, device=DEVICE)  # [2]
     cache = model.new_cache(2, width + new)
     prefill = model(prompts, chain_positions(0, width).expand(2, -1), cache).logits  # [2, width, V]
     cache.trim(lengths)
     continuation = torch.stack([row[n:] for row, n in zip(rows, prompt_lens)])  # [2, new]
     step1 = model(continuation[:, :1], lengths[:, None], cache).logits  # [2, 1, V]
-    step2 = model(continuation[:, 1:], lengths[:, None] + torch.arange(1, new), cache).logits  # [2, 3, V]
+    step2 = model(continuation[:, 1:], lengths[:, None] + torch.arange(1, new, device=DEVICE), cache).logits  # [2, 3, V]
     assert cache.lengths.tolist() == [n + new for n in prompt_lens]
     for i, n in enumerate(prompt_lens):
         native = torch.cat([prefill[i, :n], step1[i], step2[i]])  # [n + new, V]
@@ -156,25 +158,26 @@ def test_ragged_batch_matches_transformers_per_row(pair):
 # --- explicit and tree masks -------------------------------------------------------------------
 
 def causal_mask(batch: int, length: int) -> torch.Tensor:  # [B, T, T] bool
-    return torch.ones(length, length, dtype=torch.bool).tril().expand(batch, -1, -1)
+    return torch.ones(length, length, dtype=torch.bool, device=DEVICE).tril().expand(batch, -1, -1)
 
 
 def test_explicit_causal_mask_equals_default(llama_pair):
     """On a ragged committed prefix: mask=causal and mask=None give identical logits."""
     model, _ = llama_pair
     tokens = torch.cat([random_tokens(12, seed=20), random_tokens(12, seed=21)])  # [2, 12]
-    lengths, block = torch.tensor([7, 4]), 5
+    lengths, block = torch.tensor([7, 4], device=DEVICE), 5
 
     def run(mask):
         cache = model.new_cache(2, 16)
         model(tokens[:, :7], chain_positions(0, 7).expand(2, -1), cache)
         cache.trim(lengths)
-        new = tokens.gather(1, lengths[:, None] + torch.arange(block))  # [2, block]
-        return model(new, lengths[:, None] + torch.arange(block), cache, mask=mask).logits  # [2, block, V]
+        offsets = torch.arange(block, device=DEVICE)  # [block]
+        new = tokens.gather(1, lengths[:, None] + offsets)  # [2, block]
+        return model(new, lengths[:, None] + offsets, cache, mask=mask).logits  # [2, block, V]
 
     explicit, default = run(causal_mask(2, block)), run(None)
     assert torch.equal(explicit, default)
-    assert not torch.allclose(run(torch.eye(block, dtype=torch.bool).expand(2, -1, -1)), default, atol=ATOL)
+    assert not torch.allclose(run(torch.eye(block, dtype=torch.bool, device=DEVICE).expand(2, -1, -1)), default, atol=ATOL)
 
 
 # A root shared by two branches; nodes are numbered branch by branch, so the second branch's slots
@@ -184,14 +187,14 @@ NUM_NODES = 9
 
 
 def tree_layout() -> tuple[torch.Tensor, torch.Tensor]:
-    """depths [1, N] and mask [1, N, N]: each node sees itself and its ancestors."""
+    """depths [1, N] and mask [1, N, N] on DEVICE: each node sees itself and its ancestors."""
     depths = torch.zeros(NUM_NODES, dtype=torch.long)
     mask = torch.zeros(NUM_NODES, NUM_NODES, dtype=torch.bool)
     for branch in BRANCHES:
         for depth, node in enumerate(branch):
             depths[node] = depth
             mask[node, branch[: depth + 1]] = True
-    return depths[None], mask[None]
+    return depths[None].to(DEVICE), mask[None].to(DEVICE)
 
 
 def forward_after_prefix(model, prefix: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
@@ -224,8 +227,8 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
 def test_default_model_matches_transformers(default_model):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(default_model.name, dtype=torch.float32).eval()
-    tokens = default_model.tokenizer(PROMPT, return_tensors="pt").input_ids  # [1, T]
+    hf = AutoModelForCausalLM.from_pretrained(default_model.name, dtype=torch.float32).eval().to(DEVICE)
+    tokens = default_model.tokenizer(PROMPT, return_tensors="pt").input_ids.to(DEVICE)  # [1, T]
     assert 30 <= tokens.shape[1] <= 50
     native = native_chunked(default_model, tokens, [tokens.shape[1]])[0]  # [T, V]
     expected = hf_logits(hf, tokens)[0]  # [T, V]

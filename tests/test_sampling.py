@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import DEVICE
 from specdec.config import SamplingParams
 from specdec.errors import UserError
 from specdec.sampling import logits_to_probs, make_generator, sample
@@ -16,33 +17,33 @@ PROBS = [0.5, 0.3, 0.15, 0.05]  # a distribution whose kept sets are easy to wor
 
 def log_probs(probs: list[float]) -> torch.Tensor:
     """[V] logits whose softmax is `probs`."""
-    return torch.tensor(probs).log()
+    return torch.tensor(probs, device=DEVICE).log()
 
 
 def assert_probs(actual: torch.Tensor, expected: list[float]) -> None:
-    assert torch.allclose(actual, torch.tensor(expected), atol=1e-6), actual
+    assert torch.allclose(actual, torch.tensor(expected, device=actual.device), atol=1e-6), actual
 
 
 def test_temperature_one_is_softmax():
-    logits = torch.tensor([0.0, math.log(2), math.log(4)])
+    logits = torch.tensor([0.0, math.log(2), math.log(4)], device=DEVICE)
     assert_probs(logits_to_probs(logits, SamplingParams(temperature=1.0)), [1 / 7, 2 / 7, 4 / 7])
 
 
 def test_temperature_divides_logits():
-    logits = torch.tensor([0.0, math.log(2), math.log(4)])  # at T=2: weights 1, sqrt(2), 2
+    logits = torch.tensor([0.0, math.log(2), math.log(4)], device=DEVICE)  # at T=2: weights 1, sqrt(2), 2
     total = 3 + math.sqrt(2)
     probs = logits_to_probs(logits, SamplingParams(temperature=2.0))
     assert_probs(probs, [1 / total, math.sqrt(2) / total, 2 / total])
 
 
 def test_greedy_is_one_hot_at_the_argmax():
-    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])  # [B, V]
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]], device=DEVICE)  # [B, V]
     probs = logits_to_probs(logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.5))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
 
 
 def test_top_k_keeps_the_k_largest():
-    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0], device=DEVICE)
     e1, e2 = math.exp(3.0), math.exp(2.0)
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert_probs(probs, [0.0, e1 / (e1 + e2), e2 / (e1 + e2), 0.0])
@@ -102,22 +103,22 @@ def test_batched_logits_are_filtered_per_row():
 
 
 def test_sample_is_reproducible_with_the_same_seed():
-    probs = torch.full((64, 10), 0.1)  # [B, V]
-    first = sample(probs, make_generator(7, "cpu"))
-    assert torch.equal(first, sample(probs, make_generator(7, "cpu")))
-    assert not torch.equal(first, sample(probs, make_generator(8, "cpu")))
+    probs = torch.full((64, 10), 0.1, device=DEVICE)  # [B, V]
+    first = sample(probs, make_generator(7, DEVICE))
+    assert torch.equal(first, sample(probs, make_generator(7, DEVICE)))
+    assert not torch.equal(first, sample(probs, make_generator(8, DEVICE)))
 
 
 def test_sample_never_draws_a_zero_probability_token():
-    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).expand(1000, 4)  # [B, V]
-    tokens = sample(probs, make_generator(0, "cpu"))  # [B]
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]], device=DEVICE).expand(1000, 4)  # [B, V]
+    tokens = sample(probs, make_generator(0, DEVICE))  # [B]
     assert tokens.shape == (1000,)
     assert set(tokens.tolist()) == {1, 3}
 
 
 def test_sample_keeps_leading_dims():
-    probs = torch.full((2, 3, 5), 0.2)  # [B, T, V]
-    assert sample(probs, make_generator(0, "cpu")).shape == (2, 3)
+    probs = torch.full((2, 3, 5), 0.2, device=DEVICE)  # [B, T, V]
+    assert sample(probs, make_generator(0, DEVICE)).shape == (2, 3)
 
 
 @pytest.mark.parametrize(

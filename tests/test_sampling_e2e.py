@@ -53,7 +53,7 @@ def generate(models, drafter: str, seed: int) -> GenerateOutput:
 
 
 def tokens_of(out: GenerateOutput) -> Tensor:
-    return torch.tensor([row.token_ids for row in out.rows])  # [ROWS, MAX_NEW]
+    return torch.tensor([row.token_ids for row in out.rows])  # [ROWS, MAX_NEW] on the CPU, for the statistics
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +90,15 @@ def test_speculative_sampling_matches_plain_sampling(models, plain_tokens, draft
     out = generate(models, drafter, seed)
     assert 0 < out.stats.accepted < out.stats.drafted  # both acceptance and rejection were exercised
     pvalues = distribution_pvalues(tokens_of(out), plain_tokens)
-    assert min(pvalues.values()) > ALPHA, pvalues
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues  # Bonferroni over the checks
 
 
 def always_accept(draft_tokens, q, p, generator, num_drafted=None) -> VerifyResult:
     """A broken verifier: keeps every proposed draft (draft_tokens [B, k]), then samples the bonus
     token from p [B, k+1, V]."""
     B, k = draft_tokens.shape
-    rows = torch.arange(B)
-    num_accepted = torch.full((B,), k) if num_drafted is None else num_drafted  # [B]
+    rows = torch.arange(B, device=p.device)
+    num_accepted = torch.full((B,), k, device=p.device) if num_drafted is None else num_drafted  # [B]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, k+1]
     tokens[rows, num_accepted] = torch.multinomial(p[rows, num_accepted], 1, generator=generator).squeeze(-1)
     return VerifyResult(tokens=tokens, num_accepted=num_accepted)
