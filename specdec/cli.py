@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | demo`. Argument parsing lives here and nowhere else.
+"""Command line: `specdec generate | bench | analyze | demo`. Argument parsing lives here and nowhere else.
 
 A user mistake prints one line (`specdec: error: ...`) and exits with status 2, never a traceback.
 """
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure drafters x gammas against plain decoding and peers, side by side")
     add_bench_args(b)
 
+    a = sub.add_parser("analyze", help="why drafts get rejected: rejection rates by token class, position, entropy")
+    add_analyze_args(a)
+
     d = sub.add_parser("demo", help="the main job: a short bench on the default model (ngram, gammas 1-8, transformers peer)")
     add_model_args(d)
     d.add_argument("--limit", type=int, default=5, help="GSM8K eval prompts")
@@ -91,6 +94,19 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
 
 
+def add_analyze_args(a: argparse.ArgumentParser) -> None:
+    a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
+    a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
+    add_model_args(a)
+    add_drafter_args(a)
+    a.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per step")
+    add_sampling_args(a)
+    a.add_argument("--max-new-tokens", type=int, default=256)
+    a.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    a.add_argument("--out", default="runs/analyze", help="folder for analysis.json, analysis.md, records.jsonl and plots")
+    a.add_argument("--json", action="store_true", help="print the analysis JSON instead of the summary")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -99,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "bench":
             return run_bench_cmd(args)
+        if args.command == "analyze":
+            from specdec.analysis.analyze import run_analyze
+
+            return run_analyze(args)
         if args.command == "demo":
             return run_demo(args)
     except UserError as e:
@@ -116,6 +136,19 @@ def set_threads(threads: int | None) -> None:
     if threads is not None and threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def check_drafter_args(args: argparse.Namespace) -> None:
+    """Fail on drafter and dtype mistakes before spending seconds loading a model."""
+    from specdec.drafters import DRAFTERS
+    from specdec.models.loading import DTYPES
+
+    if args.drafter not in DRAFTERS:
+        raise UserError(f"unknown drafter {args.drafter!r}; choose one of: {', '.join(sorted(DRAFTERS))}")
+    if args.drafter == "draft_model" and args.draft_model is None:
+        raise UserError("--drafter draft_model needs --draft-model PATH")
+    if args.dtype != "auto" and args.dtype not in DTYPES:
+        raise UserError(f"unknown dtype {args.dtype!r}; choose auto, {', '.join(DTYPES)}")
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -140,8 +173,7 @@ def run_generate(args: argparse.Namespace) -> int:
     config = SpecConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling=sampling)
     if args.check_lossless and not sampling.greedy:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
-    if args.drafter == "draft_model" and args.draft_model is None:
-        raise UserError("--drafter draft_model needs --draft-model PATH")
+    check_drafter_args(args)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")

@@ -1,0 +1,96 @@
+"""A tiny-model bench run end to end: every method on every prompt, results.json / report.md / plots,
+greedy outputs equal to plain decoding (for specdec and for transformers), and bench's bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import tiny_folder_with_tokenizer, tiny_pair
+from specdec.bench.report import format_table, write_outputs
+from specdec.bench.runner import BenchConfig, run_bench
+from specdec.cli import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    target = tiny_folder_with_tokenizer(tmp)
+    tiny_pair(tmp, "llama", seed=1, logit_scale=8.0, num_hidden_layers=1)  # same vocabulary, no tokenizer
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text(
+        '{"turns": ["the cat sat on the mat . the cat sat on"], "category": "copy"}\n'
+        '{"turns": ["1 + 2 = 3 . 4 + 5 = 9 . 1 + 2 ="], "category": "math"}\n'
+        '{"turns": ["The Cat sat on the mat ?"], "category": "copy"}\n'
+    )
+    return target, tmp / "llama-1", prompts
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    target, draft, prompts = setup
+    config = BenchConfig(task=str(prompts), limit=None, model=str(target), drafters=("ngram", "draft_model"),
+                         gammas=(1, 3), peers=("hf", "hf-pld", "hf-assisted", "llamacpp"), max_new_tokens=12,
+                         draft_model=str(draft), device="cpu", chat=False)
+    return run_bench(config, progress=False)
+
+
+def test_every_method_ran_on_every_prompt(results):
+    names = [m["name"] for m in results["methods"]]
+    assert names[0] == "specdec/none"
+    assert {"specdec/ngram/1", "specdec/ngram/3", "specdec/draft_model/3", "hf", "hf-pld/3", "hf-assisted/1"} <= set(names)
+    assert len(results["runs"]) == len(names) * 3
+    assert results["categories"] == ["copy", "math"]
+
+
+def test_greedy_outputs_equal_plain_decoding(results):
+    for m in results["methods"]:
+        if not m["name"].startswith("llamacpp"):
+            assert m["lossless"], m["name"]
+            assert m["matches_plain"] == m["num_outputs"] == 3
+
+
+def test_summaries_are_measured(results):
+    by_name = {m["name"]: m for m in results["methods"]}
+    spec = by_name["specdec/draft_model/3"]
+    assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
+    assert spec["cost_coefficient"] > 0 and spec["verify_ratio"] == pytest.approx(results["calibration"]["verify_ratio"]["4"])
+    assert spec["estimated_speedup"] > 0 and spec["tokens_per_s"]["median"] > 0
+    assert by_name["specdec/none"]["speedup_vs_plain"]["median"] == pytest.approx(1.0)
+    assert by_name["hf"]["speedup_vs_hf"]["median"] == pytest.approx(1.0)
+    assert set(results["calibration"]["verify_ratio"]) == {"1", "2", "3", "4"}
+
+
+def test_missing_llama_cpp_is_a_note(results):
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert any(n.startswith("llamacpp: skipped") for n in results["notes"])
+
+
+def test_outputs_written(results, tmp_path):
+    files = write_outputs(results, tmp_path)
+    names = {f.name for f in files}
+    assert {"results.json", "report.md", "acceptance_vs_gamma.png", "speedup_vs_gamma.png",
+            "acceptance_per_position.png", "tokens_per_s.png", "verify_ratio.png"} <= names
+    assert json.loads((tmp_path / "results.json").read_text())["schema"] == "specdec.bench/1"
+    report = (tmp_path / "report.md").read_text()
+    assert "| specdec/ngram/3 |" in report and "estimated" in report and "## Speedup vs plain per category" in report
+    table = format_table(results)
+    assert "specdec/draft_model/3" in table and "x plain" in table
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gammas", "0,2"], "gammas must be >= 1"),
+    (["--peers", "vllm"], "unknown peer"),
+    (["--drafters", "magic"], "unknown drafter"),
+    (["--drafters", "draft_model"], "need --draft-model"),
+    (["--task", "/no/such/file.jsonl"], "no such task file"),
+    (["--limit", "0"], "--limit must be >= 1"),
+    (["--repeats", "0"], "repeats must be >= 1"),
+])
+def test_bad_bench_input(capsys, args, message):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: ") and message in err and err.count("\n") == 1
