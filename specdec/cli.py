@@ -280,7 +280,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\nBench: {args.limit} GSM8K prompts, ngram drafter at gammas 1-8 vs plain decoding and transformers\n", flush=True)
     return main(["bench", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
                  "--device", args.device, "--drafters", "ngram", "--gammas", "1,2,3,4,6,8", "--peers", "hf,hf-pld",
-                 "--pld-gammas", "2,4,8", "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
+                 "--pld-gammas", "4", "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 
 
 if __name__ == "__main__":
