@@ -21,7 +21,15 @@ from specdec.drafters.base import empty_proposal
 from specdec.errors import UserError
 from specdec.metrics import SpecStats
 from specdec.sampling import logits_to_probs, make_generator, sample
-from specdec.verify import VerifyResult, greedy_verify, rejection_sample
+from specdec.drafters.base import Proposal
+from specdec.verify import (
+    TreeSpec,
+    VerifyResult,
+    greedy_verify,
+    rejection_sample,
+    tree_greedy_verify,
+    tree_rejection_sample,
+)
 
 
 @dataclass
@@ -43,6 +51,7 @@ class StepRecord:
     result: VerifyResult
     num_generated: list[int]  # per row: tokens generated before this step
     active: list[bool]  # rows that took part in the step
+    tree: TreeSpec | None = None  # the tree of a tree proposal (draft_tokens are then its nodes)
 
 
 Observer = Callable[[StepRecord], None]
@@ -95,7 +104,7 @@ class Run:
         self.engine, self.config, self.max_new, self.observer = engine, config, max_new, observer
         self.eos = engine.eos_ids(config)
         B = len(prompts)
-        max_len = max(len(p) for p in prompts) + max_new + config.gamma + 2
+        max_len = max(len(p) for p in prompts) + max_new + engine.drafter.max_tokens(config.gamma) + 2
         self.state = DecodeState(
             tokens=[list(p) for p in prompts],
             prompt_lengths=[len(p) for p in prompts],
@@ -130,38 +139,54 @@ class Run:
     def step(self) -> None:
         s, dev = self.state, self.state.device
         remaining = [self.max_new - self.num_generated(b) if s.active[b] else 0 for b in range(s.batch_size)]
-        k = max(0, min(self.config.gamma, max(remaining) - 1))
+        k = max(0, min(self.config.gamma, max(remaining) - 1))  # never draft past max_new_tokens
         t = time.perf_counter()
         proposal = self.engine.drafter.propose(s, k) if k > 0 else empty_proposal(s)
         self.draft_s += time.perf_counter() - t
-        k = proposal.tokens.shape[1]
-        cap = torch.tensor([max(r - 1, 0) for r in remaining], device=dev)  # never draft past max_new_tokens
-        num_drafted = torch.minimum(proposal.num_drafted if proposal.num_drafted is not None else cap.clamp(max=k), cap)
-
+        cap = torch.tensor([max(r - 1, 0) for r in remaining], device=dev)  # [B]
         pending = torch.tensor([row[-1] for row in s.tokens], device=dev)  # [B]
-        block = torch.cat([pending[:, None], proposal.tokens], dim=1)  # [B, k+1]
+        block = torch.cat([pending[:, None], proposal.tokens], dim=1)  # [B, T]
         start = self.cache.lengths.clone()  # [B]
+        active = torch.tensor(s.active, device=dev)  # [B]
         t = time.perf_counter()
-        out = self.engine.target(block, start[:, None] + torch.arange(k + 1, device=dev), self.cache)
-        result = self.verify(proposal.tokens, proposal.probs, out.logits, num_drafted)
-        active = torch.tensor(s.active, device=dev)
-        self.cache.trim(torch.where(active, start + result.num_accepted + 1, start))
-        s.target_hidden = out.hidden
+        if proposal.tree is None:
+            num_drafted = cap.clamp(max=proposal.tokens.shape[1])
+            if proposal.num_drafted is not None:
+                num_drafted = torch.minimum(proposal.num_drafted, num_drafted)
+            out = self.engine.target(block, start[:, None] + torch.arange(block.shape[1], device=dev), self.cache)
+            result = self.verify(proposal, out.logits, num_drafted)
+            self.cache.trim(torch.where(active, start + result.num_accepted + 1, start))
+            s.target_hidden = out.hidden
+        else:
+            depths = proposal.tree.depths()  # [B, N+1]
+            num_drafted = torch.where(active, depths.amax(-1), 0)  # a tree drafts its depth per row
+            out = self.engine.target(block, start[:, None] + depths, self.cache, mask=proposal.tree.ancestor_mask())
+            result = self.verify(proposal, out.logits, num_drafted)
+            self.cache.compact(start, result.path, torch.where(active, result.num_accepted + 1, 0))
+            s.target_hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))
         tokens, accepted, drafted = result.tokens.tolist(), result.num_accepted.tolist(), num_drafted.tolist()
         self.target_s += time.perf_counter() - t
         if self.observer is not None:
             generated = [self.num_generated(b) for b in range(s.batch_size)]
-            self.observer(StepRecord(proposal.tokens, proposal.probs, num_drafted, out.logits, result, generated, list(s.active)))
-        self.commit_rows([row[: n + 1] for row, n in zip(tokens, accepted)], drafted, accepted)
+            self.observer(StepRecord(proposal.tokens, proposal.probs, num_drafted, out.logits, result, generated,
+                                     list(s.active), proposal.tree))
+        nodes = proposal.tree.valid().sum(-1).tolist() if proposal.tree is not None else None  # tree nodes verified
+        self.commit_rows([row[: n + 1] for row, n in zip(tokens, accepted)], drafted, accepted, nodes)
         self.engine.drafter.commit(s, result)
 
-    def verify(self, draft_tokens: Tensor, q: Tensor | None, logits: Tensor, num_drafted: Tensor) -> VerifyResult:
-        sampling = self.state.sampling
+    def verify(self, proposal: Proposal, logits: Tensor, num_drafted: Tensor) -> VerifyResult:
+        """Greedy or sampling verification of a chain or a tree; logits [B, T, V]."""
+        sampling, tree = self.state.sampling, proposal.tree
         if sampling.greedy:
-            return greedy_verify(draft_tokens, logits, num_drafted)
-        return rejection_sample(draft_tokens, q, logits_to_probs(logits, sampling), self.state.generator, num_drafted)
+            if tree is not None:
+                return tree_greedy_verify(proposal.tokens, tree, logits)
+            return greedy_verify(proposal.tokens, logits, num_drafted)
+        p = logits_to_probs(logits, sampling)
+        if tree is not None:
+            return tree_rejection_sample(proposal.tokens, proposal.probs, tree, p, self.state.generator)
+        return rejection_sample(proposal.tokens, proposal.probs, p, self.state.generator, num_drafted)
 
-    def commit_rows(self, emitted: list[list[int]], drafted: list[int], accepted: list[int]) -> None:
+    def commit_rows(self, emitted: list[list[int]], drafted: list[int], accepted: list[int], nodes: list[int] | None = None) -> None:
         """Append each active row's emitted tokens, cut at a stop condition, and count the step."""
         s = self.state
         for b, new in enumerate(emitted):
@@ -169,7 +194,7 @@ class Run:
                 continue
             kept = self.cut_at_stop(b, new)
             s.tokens[b].extend(kept)
-            self.row_stats[b].record_step(drafted[b], accepted[b], len(kept))
+            self.row_stats[b].record_step(drafted[b], accepted[b], len(kept), None if nodes is None else nodes[b])
             if self.finish_reasons[b] != "length" or self.num_generated(b) >= self.max_new:
                 s.active[b] = False
 

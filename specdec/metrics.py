@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecStats:
     steps: int = 0  # target forwards (prefill included)
-    drafted: int = 0
+    drafted: int = 0  # draft tokens proposed (for a tree: its depth, the longest acceptable run)
     accepted: int = 0
+    draft_nodes: int = 0  # draft tokens the target verified (tree nodes; equals drafted for chains)
     emitted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -23,9 +24,10 @@ class SpecStats:
     draft_s: float = 0.0  # time inside drafter.propose
     target_s: float = 0.0  # time inside target forwards
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, num_nodes: int | None = None) -> None:
         self.steps += 1
         self.drafted += num_drafted
+        self.draft_nodes += num_drafted if num_nodes is None else num_nodes
         self.accepted += num_accepted
         self.emitted += num_emitted
         grow = num_drafted - len(self.drafted_per_position)
@@ -41,6 +43,7 @@ class SpecStats:
         """Add another row's counters (times are not added: rows of a batch share the clock)."""
         self.steps += other.steps
         self.drafted += other.drafted
+        self.draft_nodes += other.draft_nodes
         self.accepted += other.accepted
         self.emitted += other.emitted
         for i, (d, a) in enumerate(zip(other.drafted_per_position, other.accepted_per_position)):
@@ -70,6 +73,7 @@ class SpecStats:
         return {
             "steps": self.steps,
             "drafted": self.drafted,
+            "draft_nodes": self.draft_nodes,
             "accepted": self.accepted,
             "emitted": self.emitted,
             "acceptance_rate": self.acceptance_rate,

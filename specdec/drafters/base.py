@@ -13,14 +13,15 @@ import torch
 from torch import Tensor
 
 from specdec.config import SamplingParams
-from specdec.verify import VerifyResult
+from specdec.verify import TreeSpec, VerifyResult
 
 
 @dataclass
 class Proposal:
     tokens: Tensor  # [B, k] draft tokens, padded past num_drafted
     probs: Tensor | None = None  # [B, k, V] draft distribution q; None = deterministic draft (one-hot q)
-    num_drafted: Tensor | None = None  # [B] valid draft tokens per row; None = all k
+    num_drafted: Tensor | None = None  # [B] valid draft tokens per row; None = all k (chains only)
+    tree: TreeSpec | None = None  # tokens are then the tree's nodes [B, N] (probs [B, N, V]: q each was drawn from)
 
 
 @dataclass
@@ -35,7 +36,9 @@ class DecodeState:
     generator: torch.Generator
     device: torch.device
     max_len: int  # cache slots per row the engine allocated
-    target_hidden: Tensor | None = None  # [B, T, D] target hidden states of the last forward
+    # Target hidden states [B, T, D] at the tokens the last step kept in the cache: the pending token, then
+    # the accepted drafts (valid up to num_accepted + 1 per row); after prefill, the prompt's.
+    target_hidden: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -44,6 +47,10 @@ class DecodeState:
 
 class Drafter(Protocol):
     name: str
+
+    def max_tokens(self, gamma: int) -> int:
+        """The most draft tokens (chain length or tree nodes) one proposal holds: sizes the caches."""
+        ...
 
     def prefill(self, state: DecodeState) -> None: ...
 

@@ -46,6 +46,9 @@ class DraftModelDrafter:
         self.vocab_size = target.config.vocab_size
         self.cache = None
 
+    def max_tokens(self, gamma: int) -> int:
+        return gamma
+
     def prefill(self, state: DecodeState) -> None:
         self.cache = self.draft.new_cache(state.batch_size, state.max_len)
 

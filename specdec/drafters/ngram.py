@@ -32,6 +32,9 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
 
+    def max_tokens(self, gamma: int) -> int:
+        return gamma
+
     def prefill(self, state: DecodeState) -> None:
         pass
 

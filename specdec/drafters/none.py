@@ -9,6 +9,9 @@ from specdec.verify import VerifyResult
 class NoDrafter:
     name = "none"
 
+    def max_tokens(self, gamma: int) -> int:
+        return 0
+
     def prefill(self, state: DecodeState) -> None:
         pass
 

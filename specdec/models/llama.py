@@ -1,11 +1,12 @@
 """Native Llama-family transformer: Llama 2/3.x, Mistral, Qwen2/2.5/3, SmolLM.
 
 Contract (shared by every target and draft model):
-    forward(tokens [B, T], positions [B, T], cache, mask [B, T, T] | None, logits_at [B] | None)
+    forward(tokens [B, T], positions [B, T], cache, mask [B, T, W] | None, logits_at [B] | None)
         -> ModelOutput(logits [B, T or 1, V] float32, hidden [B, T, D])
 New tokens are written at each row's next free cache slots; `positions` are their RoPE positions
-(for a chain, slot index == position; for a tree, depth positions). `mask` says which of the new
-tokens each new token sees (None = causal); every new token sees the whole committed prefix.
+(for a chain, slot index == position; for a tree, depth positions). `mask` says which of the last W
+slots (the new block and, for W > T, tree nodes written before it) each new token sees (None =
+causal); every new token sees the whole committed prefix before them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, slots: Tensor, attn_mask: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, slots: Tensor | None, attn_mask: Tensor
+    ) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
@@ -128,7 +131,10 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, Dh]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
-        k_all, v_all = cache.write(layer, k, v, slots)  # [B, Hkv, S_max, Dh]
+        if cache is None:  # training: attend within the block
+            k_all, v_all = k, v
+        else:
+            k_all, v_all = cache.write(layer, k, v, slots)  # [B, Hkv, S_max, Dh]
         span = attn_mask.shape[-1]
         out = F.scaled_dot_product_attention(
             q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
@@ -155,7 +161,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, slots: Tensor, attn_mask: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, slots: Tensor | None, attn_mask: Tensor
+    ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -165,23 +173,55 @@ def build_attention_mask(
 ) -> Tensor:
     """Which cache slots each new token attends to: bool [B, 1, T, S], S = last written slot + 1.
 
-    lengths [B]: committed slots before this forward; slots, positions [B, T]; tree_mask [B, T, T].
+    lengths [B]: slots before this forward; slots, positions [B, T]. tree_mask [B, T, W], W >= T, says
+    what each new token sees among the last W slots up to and including the new block (W = T: the block
+    itself; W > T: also tree nodes written by earlier forwards, as when a drafter grows a tree level by
+    level); every slot before those W is a committed prefix slot and is seen. None = causal block.
     Committed slots hold a chain, so a committed slot's position is its index.
     """
     B, T = slots.shape
     span = int(slots[:, -1].max()) + 1
     j = torch.arange(span, device=slots.device)  # [S]
-    rel = j[None, None, :] - lengths[:, None, None]  # [B, 1, S] offset into the new block
-    in_block = (rel >= 0) & (rel < T)
+    W = T if tree_mask is None else tree_mask.shape[-1]
+    rel = j[None, None, :] - (lengths[:, None, None] + T - W)  # [B, 1, S] offset into the masked window
+    in_window = (rel >= 0) & (rel < W)
     if tree_mask is None:
-        sees_new = in_block & (rel <= torch.arange(T, device=slots.device)[None, :, None])  # [B, T, S]
+        sees = in_window & (rel <= torch.arange(T, device=slots.device)[None, :, None])  # [B, T, S]
     else:
-        sees_new = in_block & tree_mask.gather(2, rel.clamp(0, T - 1).expand(B, T, span))
-    visible = (rel < 0) | sees_new  # [B, T, S]
+        sees = in_window & tree_mask.gather(2, rel.clamp(0, W - 1).expand(B, T, span))
+    visible = (rel < 0) | sees  # [B, T, S]
     if window is not None:
         key_pos = j[None, :].expand(B, span).scatter(1, slots, positions)  # [B, S]
         visible &= (positions[:, :, None] - key_pos[:, None, :]) < window
     return visible[:, None]
+
+
+def causal_mask(positions: Tensor, window: int | None) -> Tensor:
+    """[B, 1, T, T] causal (and sliding-window) mask for a block attended without a cache."""
+    T = positions.shape[1]
+    visible = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()[None]  # [1, T, T]
+    if window is not None:
+        visible = visible & ((positions[:, :, None] - positions[:, None, :]) < window)
+    return visible[:, None]
+
+
+def run_layers(
+    layers: nn.ModuleList, x: Tensor, positions: Tensor, cache: KVCache | None, mask: Tensor | None,
+    inv_freq: Tensor, rope_attention_factor: float, window: int | None,
+) -> Tensor:
+    """x [B, T, D] through decoder layers. With a cache: written at each row's next slots, attending per
+    `mask` (see build_attention_mask). cache=None: causal within the block (training, no cache)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, rope_attention_factor, x.dtype)
+    if cache is None:
+        slots, attn_mask = None, causal_mask(positions, window)
+    else:
+        slots = cache.reserve(x.shape[1])  # [B, T]
+        attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, window)
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, cache, i, slots, attn_mask)
+    if cache is not None:
+        cache.lengths += x.shape[1]
+    return x
 
 
 class LlamaModel(nn.Module):
@@ -213,16 +253,11 @@ class LlamaModel(nn.Module):
         tokens: Tensor,  # [B, T]
         positions: Tensor,  # [B, T]
         cache: KVCache,
-        mask: Tensor | None = None,  # [B, T, T] bool, True = sees
+        mask: Tensor | None = None,  # [B, T, W] bool, True = sees (see build_attention_mask)
         logits_at: Tensor | None = None,  # [B] the one position per row that needs logits
     ) -> ModelOutput:
-        slots = cache.reserve(tokens.shape[1])  # [B, T]
         x = self.embed_tokens(tokens)  # [B, T, D]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_factor, x.dtype)
-        attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, self.config.sliding_window)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, slots, attn_mask)
-        cache.lengths += tokens.shape[1]
+        x = run_layers(self.layers, x, positions, cache, mask, self.inv_freq, self.rope_attention_factor, self.config.sliding_window)
         hidden = self.norm(x)  # [B, T, D]
         h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
         return ModelOutput(logits=self.lm_head(h).float(), hidden=hidden)
