@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | bench | analyze | demo`. Argument parsing lives here and nowhere else.
+"""Command line: `specdec generate | bench | analyze | train | demo`. Argument parsing lives here and nowhere else.
 
 A user mistake prints one line (`specdec: error: ...`) and exits with status 2, never a traceback.
 """
@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="why drafts get rejected: rejection rates by token class, position, entropy")
     add_analyze_args(a)
 
+    t = sub.add_parser("train", help="train a drafter on the target's own outputs: draft, eagle or medusa")
+    kinds = t.add_subparsers(dest="kind", required=True)
+    for kind, about in TRAINERS.items():
+        add_train_args(kinds.add_parser(kind, help=about), kind)
+
     d = sub.add_parser("demo", help="the main job: a short bench on the default model (ngram, gammas 1-8, transformers peer)")
     add_model_args(d)
     d.add_argument("--limit", type=int, default=5, help="GSM8K eval prompts")
@@ -94,6 +99,36 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
 
 
+TRAINERS = {
+    "draft": "distil a small draft model (shares the target's embeddings and LM head)",
+    "eagle": "an EAGLE head: one decoder layer over the target's features",
+    "medusa": "Medusa heads: K residual blocks predicting tokens t+2..t+K+1",
+}
+
+
+def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
+    add_model_args(p)
+    p.add_argument("--data", default="text", choices=["text", "self"],
+                   help="text: teacher-forced gsm8k-train solutions; self: the target's own continuations")
+    p.add_argument("--features", default=None, help="a features file from an earlier run (skips collecting)")
+    p.add_argument("--limit", type=int, default=None, help="gsm8k-train problems to read (default: as many as --max-tokens needs)")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to collect (prompt + response)")
+    p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimiser step")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the trainer's)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft read-out vocabulary (most frequent target tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--out", default=f"runs/train-{kind}", help="folder for the trained drafter and its checkpoint")
+    if kind == "eagle":
+        p.add_argument("--intermediate-size", type=int, default=None, help="MLP width of the head (default: the target's)")
+    if kind == "medusa":
+        p.add_argument("--heads", type=int, default=4, help="Medusa heads (tokens predicted beyond the next)")
+    if kind == "draft":
+        p.add_argument("--layers", type=int, default=2, help="decoder layers of the draft model")
+        p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+
+
 def add_analyze_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
     a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
@@ -115,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "bench":
             return run_bench_cmd(args)
+        if args.command == "train":
+            import importlib
+
+            return importlib.import_module(f"specdec.train.{args.kind}").run(args)
         if args.command == "analyze":
             from specdec.analysis.analyze import run_analyze
 

@@ -1,0 +1,120 @@
+"""The EAGLE draft head (Li et al. 2024): one decoder layer over the target's own features.
+
+Input at position t: the target's feature f_t (its final hidden state after token t) and the
+embedding of token t+1; output: a prediction of f_{t+1}, read out by the target's LM head (here a
+slice of it over a reduced draft vocabulary, so the read-out is cheap). Drafting feeds the head its
+own predicted features. Weights that are the target's (embeddings, LM head rows) are not stored with
+the head: `EagleHead.attach(target)` borrows them.
+
+Stored weights (safetensors, names as EAGLE's reference checkpoints): fc.weight [D, 2D], fc.bias [D],
+layers.0.* (a Llama decoder layer), and d2t [Vd] (draft-vocabulary index -> target token id).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from specdec.errors import UserError
+
+from specdec.kv_cache import KVCache
+from specdec.models.linear import Linear, use_cpu_kernels
+from specdec.models.llama import DecoderLayer, ModelConfig, run_layers
+from specdec.models.rope import build_rope
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # rows of the reduced read-out (== vocab_size: the full LM head)
+
+    @classmethod
+    def for_target(cls, target_config: ModelConfig, draft_vocab_size: int, intermediate_size: int | None = None) -> "EagleConfig":
+        c = target_config
+        return cls(c.hidden_size, intermediate_size or c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                   c.rms_norm_eps, c.rope_theta, c.max_position_embeddings, c.vocab_size, draft_vocab_size)
+
+    def layer_config(self) -> ModelConfig:
+        return ModelConfig(
+            model_type="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=None, max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.fc = Linear(2 * D, D, bias=True)  # [embedding(t+1), feature(t)] -> D
+        self.layers = nn.ModuleList([DecoderLayer(config.layer_config())])
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)  # [Vd] target ids
+        rope = build_rope(config.head_dim, config.rope_theta, None, config.max_position_embeddings)
+        self.register_buffer("inv_freq", rope.inv_freq, persistent=False)
+        self.embed_tokens: nn.Embedding | None = None  # borrowed from the target by attach()
+        self.lm_head = Linear(D, config.draft_vocab_size, bias=False)  # rows of the target's LM head (frozen)
+
+    def attach(self, target) -> "EagleHead":
+        """Borrow the target's embeddings and the d2t rows of its LM head; place like the target."""
+        p = next(target.parameters())
+        self.to(device=p.device, dtype=p.dtype)
+        self.embed_tokens = target.embed_tokens
+        self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
+        use_cpu_kernels(self)
+        return self
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        c, p = self.config, self.fc.weight
+        return KVCache(1, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+
+    def features(self, hidden: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache | None, mask: Tensor | None = None) -> Tensor:
+        """hidden [B, T, D] = target (or predicted) features at t, tokens [B, T] = token t+1 -> predicted
+        features at t+1 [B, T, D]. cache=None: causal within the block (training)."""
+        x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))  # [B, T, D]
+        return run_layers(self.layers, x, positions, cache, mask, self.inv_freq, 1.0, None)
+
+    def logits(self, features: Tensor) -> Tensor:
+        """features [..., D] -> draft-vocabulary logits [..., Vd] (float32)."""
+        return self.lm_head(features).float()
+
+
+def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None) -> None:
+    """folder/config.json (EagleConfig, plus `extra` facts such as training commands) and
+    folder/model.safetensors (fc, layers.0, d2t; the borrowed target weights are not saved)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
+             if not k.startswith(("lm_head.", "embed_tokens."))}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"specdec_drafter": "eagle", **head.config.to_dict(), **(extra or {})}, indent=2))
+
+
+def load_eagle_head(folder: str | Path) -> EagleHead:
+    folder = Path(folder)
+    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
+        raise UserError(f"{folder} is not an EAGLE head folder (config.json + model.safetensors)")
+    config = json.loads((folder / "config.json").read_text())
+    head = EagleHead(EagleConfig(**{k: config[k] for k in EagleConfig.__dataclass_fields__}))
+    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    state["d2t"] = state["d2t"].long()
+    missing = head.load_state_dict(state, strict=False).missing_keys
+    if any(not k.startswith("lm_head.") for k in missing):
+        raise UserError(f"{folder}: weights missing from the EAGLE head: {missing[:5]}")
+    return head

@@ -1,0 +1,1 @@
+"""Training drafters on the target's own outputs: data (data.py) and one trainer per drafter."""

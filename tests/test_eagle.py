@@ -1,0 +1,75 @@
+"""The EAGLE drafter (EAGLE-2 dynamic trees) with an untrained head: lossless whatever the head says.
+
+Greedy output equals plain greedy decoding (batch 1 and 3, several tree shapes); sampled output
+matches plain sampling's distribution; a head saved and loaded back gives the same proposals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from conftest import DEVICE, tiny_pair
+from specdec import SamplingParams
+from specdec.drafters import DrafterOptions
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, select_tree
+from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
+from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
+from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
+
+
+def random_head(target, draft_vocab: int | None = None, seed: int = 0) -> EagleHead:
+    torch.manual_seed(seed)
+    c = target.config
+    head = EagleHead(EagleConfig.for_target(c, draft_vocab or c.vocab_size))
+    if draft_vocab:
+        head.d2t = torch.randperm(c.vocab_size)[:draft_vocab].sort().values
+    return head
+
+
+def test_select_tree_keeps_parents_and_orders_breadth_first():
+    # candidates: 0 (d1, -0.1), 1 (d1, -2), 2 (d2 under 0, -0.3), 3 (d2 under 0, -3), 4 (d3 under 2, -0.35)
+    tokens = torch.tensor([[10, 11, 12, 13, 14]])
+    scores = torch.tensor([[-0.1, -2.0, -0.3, -3.0, -0.35]])
+    parents = torch.tensor([[-1, -1, 0, 0, 2]])
+    depths = torch.tensor([[1, 1, 2, 2, 3]])
+    kept_tokens, kept_parents = select_tree(tokens, scores, parents, depths, total=4)
+    assert kept_tokens.tolist() == [[10, 11, 12, 14]]
+    assert kept_parents.tolist() == [[-1, -1, 0, 2]]
+
+
+@pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5)], ids=["default", "small"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle_greedy_equals_plain(models, plain, tree, batch):  # noqa: F811
+    target, _, _ = models
+    prompts, expected = (PROMPTS, plain) if batch == 3 else (PROMPTS[2:], plain[2:])
+    drafter = EagleDrafter(target, random_head(target, draft_vocab=64), tree)
+    out = specdec.SpecEngine(target, drafter).generate(prompts, specdec.SpecConfig(gamma=5, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.draft_nodes > 0
+
+
+def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa: F811
+    target, _, _ = models
+    head = random_head(target, draft_vocab=32, seed=3)
+    save_eagle_head(head, tmp_path / "head")
+    loaded = load_eagle_head(tmp_path / "head")
+    assert torch.equal(loaded.d2t, head.d2t)
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+        if not name.startswith("lm_head"):
+            assert torch.equal(a, b), name
+    options = DrafterOptions(extra={"eagle_path": str(tmp_path / "head")})
+    out_a = specdec.SpecEngine(target, "eagle", options).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
+    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, EagleTreeConfig())).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
+    assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
+
+
+def test_eagle_sampling_matches_plain_sampling(tmp_path):
+    target = tiny_pair(tmp_path, "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
+    config = lambda seed: specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))  # noqa: E731
+    plain_tokens = tokens_of(specdec.SpecEngine(target, "none").generate([PROMPT] * ROWS, config(1)))
+    drafter = EagleDrafter(target, random_head(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
+    out = specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, config(2))
+    assert 0 < out.stats.accepted < out.stats.drafted
+    pvalues = distribution_pvalues(tokens_of(out), plain_tokens)
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
