@@ -25,12 +25,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        static: bool = False,
     ) -> None:
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, Dh]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H, S, Dh]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.max_len = max_len
+        # static: no host synchronisation in forwards (no overflow check here, attention over all max_len
+        # slots), so a forward can be captured in a CUDA graph; the caller keeps lengths within max_len.
+        self.static = static
 
     @property
     def batch_size(self) -> int:
@@ -39,16 +43,13 @@ class KVCache:
     def reserve(self, num_new: int) -> Tensor:
         """Slots [B, T] the next `num_new` tokens of each row go to. Fails loudly instead of overflowing."""
         slots = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)  # [B, T]
-        if int(slots[:, -1].max()) >= self.max_len:
+        if not self.static and int(slots[:, -1].max()) >= self.max_len:
             raise UserError(f"sequence would exceed the KV cache of {self.max_len} slots (context too long)")
         return slots
 
-    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [B, H, T, Dh] at slots [B, T]; return this layer's whole cache [B, H, S, Dh]."""
-        index = slots[:, None, :, None].expand_as(k)  # [B, H, T, Dh]
-        self.k[layer].scatter_(2, index, k)
-        self.v[layer].scatter_(2, index, v)
-        return self.k[layer], self.v[layer]
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer i's keys and values [B, H, S, Dh] (views: writes land in the cache)."""
+        return self.k[i], self.v[i]
 
     def trim(self, lengths: Tensor) -> None:
         """Roll rows back to `lengths` [B] valid slots (never forward)."""
@@ -67,3 +68,10 @@ class KVCache:
             gathered = cache.gather(3, src[None, :, None, :, None].expand(L, B, H, -1, Dh))
             cache.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, -1, Dh), gathered)
         self.lengths.copy_(start + num_keep)
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
+    """Store k, v [B, H, T, Dh] at slots [B, T] of one layer's k_cache, v_cache [B, H, S, Dh]."""
+    index = slots[:, None, :, None].expand_as(k)  # [B, H, T, Dh]
+    k_cache.scatter_(2, index, k)
+    v_cache.scatter_(2, index, v)

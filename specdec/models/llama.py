@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.errors import UserError
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, write_kv
 from specdec.models.linear import Linear
-from specdec.models.rope import apply_rope, build_rope, rope_cos_sin
+from specdec.models import fused
+from specdec.models.rope import build_rope, rope_cos_sin
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -102,9 +103,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused.run(fused.rms_norm, x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -118,8 +117,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, slots: Tensor | None, attn_mask: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None, slots: Tensor | None, attn_mask: Tensor
     ) -> Tensor:
+        """kv: this layer's cache (keys, values [B, Hkv, S, Dh]) to write the new tokens into and attend
+        over; None: attend within the block (training)."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
@@ -128,13 +129,14 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, Dh]
+        q = fused.run(fused.rotate, q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
+        k = fused.run(fused.rotate, k.transpose(1, 2), cos, sin)  # [B, Hkv, T, Dh]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
-        if cache is None:  # training: attend within the block
+        if kv is None:
             k_all, v_all = k, v
         else:
-            k_all, v_all = cache.write(layer, k, v, slots)  # [B, Hkv, S_max, Dh]
+            k_all, v_all = kv  # [B, Hkv, S_max, Dh]
+            write_kv(k_all, v_all, k, v, slots)
         span = attn_mask.shape[-1]
         out = F.scaled_dot_product_attention(
             q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
@@ -149,8 +151,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.run(fused.silu_mul, self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -162,14 +163,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, layer: int, slots: Tensor | None, attn_mask: Tensor
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None, slots: Tensor | None, attn_mask: Tensor
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, attn_mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, slots, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def build_attention_mask(
-    lengths: Tensor, slots: Tensor, positions: Tensor, tree_mask: Tensor | None, window: int | None
+    lengths: Tensor, slots: Tensor, positions: Tensor, tree_mask: Tensor | None, window: int | None,
+    span: int | None = None,
 ) -> Tensor:
     """Which cache slots each new token attends to: bool [B, 1, T, S], S = last written slot + 1.
 
@@ -177,10 +179,11 @@ def build_attention_mask(
     what each new token sees among the last W slots up to and including the new block (W = T: the block
     itself; W > T: also tree nodes written by earlier forwards, as when a drafter grows a tree level by
     level); every slot before those W is a committed prefix slot and is seen. None = causal block.
-    Committed slots hold a chain, so a committed slot's position is its index.
+    Committed slots hold a chain, so a committed slot's position is its index. `span` fixes S (a static
+    cache passes its max_len, avoiding the host synchronisation that measures it).
     """
     B, T = slots.shape
-    span = int(slots[:, -1].max()) + 1
+    span = span or int(slots[:, -1].max()) + 1
     j = torch.arange(span, device=slots.device)  # [S]
     W = T if tree_mask is None else tree_mask.shape[-1]
     rel = j[None, None, :] - (lengths[:, None, None] + T - W)  # [B, 1, S] offset into the masked window
@@ -216,9 +219,9 @@ def run_layers(
         slots, attn_mask = None, causal_mask(positions, window)
     else:
         slots = cache.reserve(x.shape[1])  # [B, T]
-        attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, window)
+        attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, window, cache.max_len if cache.static else None)
     for i, layer in enumerate(layers):
-        x = layer(x, cos, sin, cache, i, slots, attn_mask)
+        x = layer(x, cos, sin, None if cache is None else cache.layer(i), slots, attn_mask)
     if cache is not None:
         cache.lengths += x.shape[1]
     return x
@@ -243,9 +246,9 @@ class LlamaModel(nn.Module):
     def max_context(self) -> int:
         return self.config.max_position_embeddings
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> KVCache:
         c, p = self.config, self.embed_tokens.weight
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device, static)
 
     @torch.inference_mode()
     def forward(

@@ -32,16 +32,6 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, attention_factor: float, d
     return cos[:, None], sin[:, None]
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, Dh] rotated by cos, sin [B, 1, T, Dh]."""
-    return x * cos + rotate_half(x) * sin
-
-
 def build_rope(head_dim: int, theta: float, scaling: dict | None, max_position_embeddings: int) -> Rope:
     """Inverse frequencies for `scaling` (an HF `rope_scaling` / `rope_parameters` dict, or None)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)  # [Dh/2]
