@@ -49,6 +49,8 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.skinny_gemm.restype = None
     lib.skinny_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.skinny_gemm_i8.restype = None
+    lib.skinny_gemm_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
     return lib
 
 
@@ -64,17 +66,43 @@ def pack(weight: Tensor) -> Tensor:
     return padded.view(-1, NR, K).transpose(1, 2).contiguous()
 
 
-def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """x [M, K] float32 -> [M, out_features] = x @ W.T + bias, with W packed by `pack`."""
+def pack_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (int8 panels [ceil(N/NR), K, NR], scales [ceil(N/NR)*NR] float32): symmetric
+    per-output-channel quantisation, w ~ q * scale with q in [-127, 127]."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+    N, K = q.shape
+    padded = torch.zeros(-(-N // NR) * NR, K, dtype=torch.int8)
+    padded[:N] = q
+    scales = torch.zeros(padded.shape[0], dtype=torch.float32)
+    scales[:N] = scale
+    return padded.view(-1, NR, K).transpose(1, 2).contiguous(), scales
+
+
+def dequantize(packed: Tensor, scales: Tensor, out_features: int) -> Tensor:
+    """The float weight [out_features, K] that int8 panels and scales stand for."""
+    w = packed.transpose(1, 2).reshape(-1, packed.shape[1]).float() * scales[:, None]  # [N_padded, K]
+    return w[:out_features]
+
+
+def padded_bias(bias: Tensor | None, N: int) -> Tensor | None:
+    if bias is None:
+        return None
+    return torch.nn.functional.pad(bias, (0, N - bias.shape[0])).float().contiguous()
+
+
+def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, scales: Tensor | None = None) -> Tensor:
+    """x [M, K] float32 -> [M, out_features] = x @ W.T + bias, with W packed by `pack` (float32 panels)
+    or by `pack_int8` (int8 panels, then `scales` is given)."""
     x = x.contiguous()
     M, K = x.shape
     N = packed.shape[0] * NR
     y = torch.empty(M, N, dtype=torch.float32)
-    bias_ptr = None
-    if bias is not None:
-        if N != out_features:
-            bias = torch.nn.functional.pad(bias, (0, N - out_features))
-        bias = bias.contiguous()
-        bias_ptr = bias.data_ptr()
-    library().skinny_gemm(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), M, K, N)
+    bias = padded_bias(bias, N)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if scales is None:
+        library().skinny_gemm(x.data_ptr(), packed.data_ptr(), bias_ptr, y.data_ptr(), M, K, N)
+    else:
+        library().skinny_gemm_i8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), bias_ptr, y.data_ptr(), M, K, N)
     return y if N == out_features else y[:, :out_features]

@@ -19,14 +19,25 @@ MAX_KERNEL_ROWS = 16  # beyond this, MKL's blocked GEMM is faster than streaming
 
 
 class Linear(nn.Linear):
-    packed: Tensor | None = None  # [ceil(out/16), in, 16] float32 panels, CPU only
+    packed: Tensor | None = None  # [ceil(out/16), in, 16] panels (float32, or int8 with scales), CPU only
+    scales: Tensor | None = None  # [ceil(out/16) * 16] per-output scales of int8 panels (quantize_int8)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
         rows = x.shape[:-1].numel()
-        if self.packed is None or rows > MAX_KERNEL_ROWS or torch.is_grad_enabled():
+        if self.packed is None or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        y = cpu_gemm.gemm(x.reshape(rows, -1), self.packed, self.bias, self.out_features)  # [M, out]
+        if rows > MAX_KERNEL_ROWS:
+            weight = self.weight if self.scales is None else cpu_gemm.dequantize(self.packed, self.scales, self.out_features)
+            return F.linear(x, weight, self.bias)
+        y = cpu_gemm.gemm(x.reshape(rows, -1), self.packed, self.bias, self.out_features, self.scales)  # [M, out]
         return y.reshape(*x.shape[:-1], -1)
+
+
+def quantize_int8(linear: Linear) -> None:
+    """Replace a CPU Linear's weight by int8 panels with per-output scales (weight-only quantisation).
+    The float weight is dropped; products of more than MAX_KERNEL_ROWS rows dequantise on the fly."""
+    linear.packed, linear.scales = cpu_gemm.pack_int8(linear.weight)
+    linear.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
 
 def use_cpu_kernels(model: nn.Module) -> bool:
@@ -34,6 +45,7 @@ def use_cpu_kernels(model: nn.Module) -> bool:
     if not cpu_gemm.available():
         return False
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32 \
+                and module.scales is None:
             module.packed = cpu_gemm.pack(module.weight)
     return True
