@@ -48,7 +48,10 @@ class NgramConfig:
 class SpecConfig:
     """What the engine does per request batch."""
 
-    gamma: int = 4  # draft tokens proposed per step
+    gamma: int = 4  # draft tokens proposed per step (the start for gamma_policy "heuristic")
+    gamma_policy: str = "fixed"  # fixed | heuristic | confidence | cost (see adaptive.py)
+    gamma_max: int = 12  # the most an adaptive policy drafts
+    confidence_threshold: float = 0.4  # "confidence": stop drafting below this top-1 draft probability
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()  # stop strings, checked on the decoded output
     stop_at_eos: bool = True
@@ -57,5 +60,13 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.gamma < 1:
             raise UserError(f"gamma must be >= 1, got {self.gamma}")
+        from specdec.adaptive import POLICIES
+
+        if self.gamma_policy not in POLICIES:
+            raise UserError(f"unknown gamma policy {self.gamma_policy!r}; choose from {', '.join(POLICIES)}")
+        if self.gamma_max < 1:
+            raise UserError(f"gamma_max must be >= 1, got {self.gamma_max}")
+        if not 0 <= self.confidence_threshold <= 1:
+            raise UserError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -36,9 +36,13 @@ class DecodeState:
     generator: torch.Generator
     device: torch.device
     max_len: int  # cache slots per row the engine allocated
+    draft_threshold: float | None = None  # stop a row's draft below this top-1 draft probability
     # Target hidden states [B, T, D] at the tokens the last step kept in the cache: the pending token, then
     # the accepted drafts (valid up to num_accepted + 1 per row); after prefill, the prompt's.
     target_hidden: Tensor | None = None
+    # The target's logits [B, T, V] over the last step's whole block (pending token, then the chain or the
+    # tree's nodes in proposal order), rejected positions included: what lookahead's Jacobi update reads.
+    target_logits: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

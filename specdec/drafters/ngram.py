@@ -1,6 +1,7 @@
 """`ngram`: prompt lookup decoding (Saxena 2023). Match the sequence's last n tokens (n from max_ngram
 down to min_ngram) against earlier text (prompt and output), most recent match first, and propose
-the tokens that followed it. Deterministic (q is one-hot), costs microseconds, runs on the host.
+the tokens that followed it; a match near the end is copied on past the end, so a repeating pattern
+is proposed for the full gamma. Deterministic (q is one-hot), costs microseconds, runs on the host.
 """
 
 from __future__ import annotations
@@ -21,9 +22,17 @@ def find_continuation(seq: np.ndarray, k: int, max_ngram: int, min_ngram: int) -
         windows = sliding_window_view(seq[: L - 1], n)  # [L-n, n]: every n-gram that ends before the last token
         hits = np.flatnonzero((windows == seq[L - n :]).all(axis=1))
         if hits.size:
-            start = hits[-1] + n
-            return seq[start : start + k]
+            return copy_forward(seq, hits[-1] + n, k)
     return seq[:0]
+
+
+def copy_forward(seq: np.ndarray, start: int, k: int) -> np.ndarray:
+    """k tokens from seq[start:]; past the end the copy continues from its own output (a repeating
+    pattern keeps repeating: with seq = a b a b and start = 2 it gives a b a b ...)."""
+    out = list(seq[start : start + k])
+    while len(out) < k:
+        out.append(out[len(out) - (len(seq) - start)] if len(seq) > start else seq[-1])
+    return np.asarray(out[:k], dtype=seq.dtype)
 
 
 class NgramDrafter:

@@ -1,0 +1,107 @@
+"""Adaptive draft length (`--gamma auto`): how many tokens each row drafts in the next step.
+
+Policies (per row of a batch):
+- `heuristic`: +2 after a fully accepted step, -1 otherwise (what transformers does);
+- `confidence`: draft up to gamma_max, but a drafter with probabilities stops a row at the first
+  draft token whose top-1 draft probability is below the threshold (ngram has none: it drafts what
+  it matched);
+- `cost`: choose gamma to maximise expected tokens per unit time, E(gamma) / cost(gamma), with
+  E(gamma) = 1 + sum_{i<=gamma} prod_{j<=i} alpha_j from a running per-position acceptance
+  estimate (conditional: alpha_j = P(draft j accepted | drafts before it were)), and
+  cost(gamma) = gamma * c + r(gamma + 1) from the measured verify ratio r and draft cost c.
+A fixed gamma is the `fixed` policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.analysis.speedup import interpolate
+from specdec.errors import UserError
+
+POLICIES = ("fixed", "heuristic", "confidence", "cost")
+
+
+@dataclass
+class CostModel:
+    """Measured costs in units of one plain target step: r(k) for a k-token forward, c per draft token."""
+
+    verify_ratio: dict[int, float]  # k -> r(k)
+    t1: float  # seconds of a 1-token target forward
+    draft_s_per_token: float = 0.0  # running mean
+    draft_tokens: int = 0
+
+    def observe_draft(self, seconds: float, tokens: int) -> None:
+        if tokens:
+            total = self.draft_s_per_token * self.draft_tokens + seconds
+            self.draft_tokens += tokens
+            self.draft_s_per_token = total / self.draft_tokens
+
+    @property
+    def c(self) -> float:
+        return self.draft_s_per_token / self.t1
+
+    def step_cost(self, gamma: int) -> float:
+        return gamma * self.c + interpolate(self.verify_ratio, gamma + 1)
+
+
+@dataclass
+class GammaPolicy:
+    name: str
+    gamma: int  # fixed gamma, or the starting gamma of `heuristic`
+    gamma_max: int
+    threshold: float = 0.4  # `confidence`
+    cost: CostModel | None = None  # `cost`
+    rows: list[int] = field(default_factory=list)  # current gamma per row (heuristic)
+    drafted: list[list[int]] = field(default_factory=list)  # per row, per position: times drafted
+    accepted: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise UserError(f"unknown gamma policy {self.name!r}; choose from {', '.join(POLICIES)}")
+
+    @property
+    def largest(self) -> int:
+        """The most tokens a row may draft in one step under this policy."""
+        return self.gamma if self.name == "fixed" else max(self.gamma, self.gamma_max)
+
+    def start(self, batch_size: int) -> None:
+        self.rows = [self.gamma] * batch_size
+        self.drafted = [[0] * self.gamma_max for _ in range(batch_size)]
+        self.accepted = [[0] * self.gamma_max for _ in range(batch_size)]
+
+    def choose(self, b: int) -> int:
+        """Draft tokens row b may propose next step."""
+        if self.name == "fixed":
+            return self.gamma
+        if self.name == "heuristic":
+            return self.rows[b]
+        if self.name == "confidence":
+            return self.gamma_max
+        return best_gamma(self.acceptance(b), self.cost)
+
+    def acceptance(self, b: int) -> list[float]:
+        """alpha_j for j = 1..gamma_max: a Beta(1, 1) prior updated with this row's steps."""
+        return [(a + 1) / (d + 2) for a, d in zip(self.accepted[b], self.drafted[b])]
+
+    def observe(self, b: int, drafted: int, accepted: int) -> None:
+        for j in range(min(drafted, self.gamma_max)):
+            if j <= accepted:  # position j was reached (every draft before it was accepted)
+                self.drafted[b][j] += 1
+                self.accepted[b][j] += j < accepted
+        if self.name == "heuristic" and drafted:
+            self.rows[b] = min(self.gamma_max, self.rows[b] + 2) if accepted == drafted else max(1, self.rows[b] - 1)
+
+
+def expected_tokens(alphas: list[float], gamma: int) -> float:
+    """1 + sum_{i<=gamma} prod_{j<=i} alpha_j."""
+    total, reach = 1.0, 1.0
+    for a in alphas[:gamma]:
+        reach *= a
+        total += reach
+    return total
+
+
+def best_gamma(alphas: list[float], cost: CostModel) -> int:
+    """argmax over gamma in 0..len(alphas) of expected tokens per unit cost (0 = a plain step)."""
+    return max(range(len(alphas) + 1), key=lambda g: expected_tokens(alphas, g) / cost.step_cost(g))

@@ -1,0 +1,127 @@
+"""Training-free drafters (lookahead, layer_skip, quantized) and adaptive draft length: lossless in
+greedy (equal to plain decoding, batch 1 and 3) and in sampling (the target's distribution), and the
+policies' arithmetic on hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+import specdec
+from conftest import tiny_pair
+from specdec import SamplingParams
+from specdec.adaptive import CostModel, GammaPolicy, best_gamma, expected_tokens
+from specdec.drafters import DrafterOptions
+from specdec.drafters.lookahead import LookaheadConfig, LookaheadDrafter, add_to_pool
+from specdec.models.views import int8_copy, layer_subset
+from specdec.tune import neighbours, structured_candidates
+from test_engine import MAX_NEW, PROMPTS
+from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
+
+DRAFTERS = [("lookahead", {}), ("layer_skip", {}), ("layer_skip", {"layers": [0, 2]}), ("quantized", {})]
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 4-layer tiny target (so layer subsets differ from it) and its plain greedy outputs."""
+    target = tiny_pair(tmp_path_factory.mktemp("free"), "llama", seed=0, logit_scale=8.0, num_hidden_layers=4)[0]
+    plain = specdec.generate(PROMPTS, model=target, drafter="none", max_new_tokens=MAX_NEW)
+    return target, [r.token_ids for r in plain.rows]
+
+
+@pytest.mark.parametrize("drafter,extra", DRAFTERS, ids=["lookahead", "layer_skip", "layer_skip-0,2", "quantized"])
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equals_plain(deep, drafter, extra, gamma, batch):
+    target, plain = deep
+    prompts, expected = (PROMPTS, plain) if batch == 3 else (PROMPTS[2:], plain[2:])
+    engine = specdec.SpecEngine(target, drafter, DrafterOptions(extra=extra))
+    out = engine.generate(prompts, specdec.SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.drafted > 0
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "confidence", "cost"])
+@pytest.mark.parametrize("drafter", ["ngram", "quantized", "lookahead"])
+def test_adaptive_gamma_is_lossless(deep, policy, drafter):
+    target, plain = deep
+    config = specdec.SpecConfig(gamma=2, gamma_policy=policy, gamma_max=6, max_new_tokens=MAX_NEW)
+    out = specdec.SpecEngine(target, drafter).generate(PROMPTS, config)
+    assert [r.token_ids for r in out.rows] == plain
+
+
+def test_quantized_draft_agrees_often_and_layer_subset_shares_weights(deep):
+    target, _ = deep
+    out = specdec.generate(PROMPTS, model=target, drafter="quantized", gamma=4, max_new_tokens=MAX_NEW)
+    assert out.stats.acceptance_rate > 0.8  # the same model in int8
+    view = layer_subset(target, [1, 3])
+    assert view.layers[0] is target.layers[1] and view.lm_head is target.lm_head
+    assert int8_copy(target).layers[0].self_attn.qkv_proj is not target.layers[0].self_attn.qkv_proj
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("free-e2e"), "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB,
+                     num_hidden_layers=3)[0]
+
+
+def sample(target, drafter, seed: int, **config):
+    spec = specdec.SpecConfig(max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed), **config)
+    return specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, spec)
+
+
+@pytest.fixture(scope="module")
+def plain_sample(small):
+    return tokens_of(sample(small, "none", seed=1))
+
+
+@pytest.mark.parametrize("drafter,config", [("lookahead", {"gamma": 3}), ("quantized", {"gamma": 3}),
+                                            ("layer_skip", {"gamma": 2}),
+                                            ("ngram", {"gamma": 2, "gamma_policy": "heuristic", "gamma_max": 4})])
+def test_sampling_matches_plain(small, plain_sample, drafter, config):
+    out = sample(small, drafter, seed=2, **config)
+    assert 0 < out.stats.accepted
+    pvalues = distribution_pvalues(tokens_of(out), plain_sample)
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
+
+
+def test_expected_tokens_and_best_gamma():
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.9, 0.1], 2) == pytest.approx(1 + 0.9 + 0.09)
+    cheap = CostModel({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}, t1=0.05, draft_s_per_token=0.0005, draft_tokens=10)
+    assert best_gamma([0.9] * 4, cheap) == 4  # accepted often, verification cheap: draft the most
+    costly = CostModel({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}, t1=0.05, draft_s_per_token=0.05, draft_tokens=10)
+    assert best_gamma([0.3] * 4, costly) == 0  # rarely accepted and each draft costs a step: plain decoding
+
+
+def test_heuristic_policy_steps():
+    policy = GammaPolicy("heuristic", gamma=3, gamma_max=6)
+    policy.start(1)
+    policy.observe(0, drafted=3, accepted=3)
+    assert policy.choose(0) == 5
+    policy.observe(0, drafted=5, accepted=5)
+    assert policy.choose(0) == 6  # capped at gamma_max
+    policy.observe(0, drafted=6, accepted=2)
+    assert policy.choose(0) == 5
+    assert policy.acceptance(0)[:3] == [pytest.approx(4 / 5), pytest.approx(4 / 5), pytest.approx(3 / 5)]
+
+
+def test_lookahead_pool_and_trie():
+    pool = {}
+    add_to_pool(pool, (1, 2, 3), cap=2)
+    add_to_pool(pool, (1, 5, 6), cap=2)
+    add_to_pool(pool, (1, 2, 3), cap=2)
+    assert pool[1] == [(2, 3), (5, 6)]  # most recent first, no duplicates
+    drafter = LookaheadDrafter(LookaheadConfig(window=3, ngram=3, guesses=2))
+    from specdec.drafters.lookahead import RowState
+
+    row = RowState(window=[2, 3, 4], pool=pool)
+    tokens, parents, window_nodes = drafter.row_trie(row, root=1, depth=3)
+    assert tokens == [2, 3, 4, 5, 6] and parents == [-1, 0, 1, -1, 3]  # the pool's (2, 3) merged into the window
+    assert window_nodes == [1, 2, 3]
+
+
+def test_tune_candidates():
+    sets = structured_candidates(6)
+    assert [0] in sets and [0, 1, 2, 3, 4] in sets and [0, 5] in sets and [0, 2, 4] in sets
+    assert all(s == sorted(set(s)) and len(s) < 6 for s in sets)
+    assert sorted(neighbours([0, 2], 4)) == sorted([[2], [0], [0, 1, 2], [0, 2, 3]])
