@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import specdec
-from conftest import DEVICE, tiny_pair
+from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, select_tree

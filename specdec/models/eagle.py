@@ -6,8 +6,11 @@ slice of it over a reduced draft vocabulary, so the read-out is cheap). Drafting
 own predicted features. Weights that are the target's (embeddings, LM head rows) are not stored with
 the head: `EagleHead.attach(target)` borrows them.
 
-Stored weights (safetensors, names as EAGLE's reference checkpoints): fc.weight [D, 2D], fc.bias [D],
-layers.0.* (a Llama decoder layer), and d2t [Vd] (draft-vocabulary index -> target token id).
+As in EAGLE's reference code (and vLLM's EAGLE Llama), the layer has no input norm: the fc output
+enters the attention as it is. Stored weights (safetensors, specdec's names with fused projections):
+fc.weight [D, 2D], fc.bias [D], layers.0.* (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj,
+mlp.down_proj, post_attention_layernorm) and d2t [Vd] (draft-vocabulary index -> target token id).
+`specdec.train.eagle.export_reference` writes the reference layout and names.
 """
 
 from __future__ import annotations
@@ -66,19 +69,26 @@ class EagleHead(nn.Module):
         D = config.hidden_size
         self.fc = Linear(2 * D, D, bias=True)  # [embedding(t+1), feature(t)] -> D
         self.layers = nn.ModuleList([DecoderLayer(config.layer_config())])
+        self.layers[0].input_layernorm = nn.Identity()  # EAGLE's layer 0 has none (see the docstring)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)  # [Vd] target ids
         rope = build_rope(config.head_dim, config.rope_theta, None, config.max_position_embeddings)
         self.register_buffer("inv_freq", rope.inv_freq, persistent=False)
         self.embed_tokens: nn.Embedding | None = None  # borrowed from the target by attach()
         self.lm_head = Linear(D, config.draft_vocab_size, bias=False)  # rows of the target's LM head (frozen)
 
-    def attach(self, target) -> "EagleHead":
-        """Borrow the target's embeddings and the d2t rows of its LM head; place like the target."""
+    def attach(self, target, kernels: bool = True) -> "EagleHead":
+        """Borrow the target's embeddings (shared, frozen) and the d2t rows of its LM head; place like the
+        target. kernels=False for training: the CPU kernel's packed weight copies would go stale."""
         p = next(target.parameters())
         self.to(device=p.device, dtype=p.dtype)
-        self.embed_tokens = target.embed_tokens
+        self.embed_tokens = nn.Embedding.from_pretrained(target.embed_tokens.weight.detach(), freeze=True)
         self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
-        use_cpu_kernels(self)
+        if kernels:
+            use_cpu_kernels(self)
+        else:
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.packed = None
         return self
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -96,12 +106,13 @@ class EagleHead(nn.Module):
         return self.lm_head(features).float()
 
 
-def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None) -> None:
+def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
     """folder/config.json (EagleConfig, plus `extra` facts such as training commands) and
-    folder/model.safetensors (fc, layers.0, d2t; the borrowed target weights are not saved)."""
+    folder/model.safetensors (fc, layers.0, d2t; the borrowed target weights are not saved), with
+    floating-point weights in `dtype` (None: as they are)."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()
-             if not k.startswith(("lm_head.", "embed_tokens."))}
+    state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.state_dict().items() if not k.startswith(("lm_head.", "embed_tokens."))}
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({"specdec_drafter": "eagle", **head.config.to_dict(), **(extra or {})}, indent=2))
 
