@@ -27,6 +27,31 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches")
 
 
+def gamma_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from e
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gamma-policy", default="cost", help="with --gamma auto: heuristic, confidence or cost (default)")
+    p.add_argument("--gamma-max", type=int, default=12, help="with --gamma auto: the most drafted per step")
+    p.add_argument("--confidence-threshold", type=float, default=0.4, help="confidence policy: stop below this draft probability")
+
+
+def spec_config(args: argparse.Namespace, sampling, **extra):
+    """SpecConfig from --gamma (a number or 'auto') and the policy arguments."""
+    from specdec.config import SpecConfig
+
+    auto = args.gamma == "auto"
+    return SpecConfig(gamma=4 if auto else args.gamma, gamma_policy=args.gamma_policy if auto else "fixed",
+                      gamma_max=args.gamma_max, confidence_threshold=args.confidence_threshold,
+                      max_new_tokens=args.max_new_tokens, sampling=sampling, **extra)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -43,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted or '-')")
     add_model_args(g)
     add_drafter_args(g)
-    g.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per step")
+    g.add_argument("--eagle-head", default=None, help="trained head folder for --drafter eagle (from `specdec train eagle`)")
+    g.add_argument("--medusa-heads", default=None, help="trained heads folder for --drafter medusa (from `specdec train medusa`)")
+    g.add_argument("--gamma", type=gamma_arg, default=4, help="draft tokens proposed per step, or 'auto' (see --gamma-policy)")
+    add_policy_args(g)
     add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -86,8 +114,13 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     add_model_args(b)
     b.add_argument("--drafters", type=csv(str), default=("ngram",), help="comma-separated drafters (none, ngram, draft_model)")
     b.add_argument("--draft-model", default=None, help="draft model for draft_model and the hf-assisted peer")
+    b.add_argument("--eagle-head", default=None, help="trained head folder for the eagle drafter (from `specdec train eagle`)")
+    b.add_argument("--medusa-heads", default=None, help="trained heads folder for the medusa drafter (from `specdec train medusa`)")
     b.add_argument("--gammas", type=csv(int), default=(1, 2, 3, 4, 6, 8), help="comma-separated gammas")
     b.add_argument("--pld-gammas", type=csv(int), default=None, help="prompt-lookup sizes for the hf-pld peer (default: --gammas)")
+    b.add_argument("--policies", type=csv(str), default=(), help="adaptive-gamma policies to add per drafter: heuristic, confidence, cost")
+    b.add_argument("--gamma-max", type=int, default=None, help="the most an adaptive policy drafts (default: the largest of --gammas)")
+    b.add_argument("--confidence-threshold", type=float, default=0.4, help="for the confidence policy")
     b.add_argument("--ngram-max", type=int, default=3)
     b.add_argument("--ngram-min", type=int, default=1)
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -134,7 +167,8 @@ def add_analyze_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(a)
     add_drafter_args(a)
-    a.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per step")
+    a.add_argument("--gamma", type=gamma_arg, default=4, help="draft tokens proposed per step, or 'auto' (see --gamma-policy)")
+    add_policy_args(a)
     add_sampling_args(a)
     a.add_argument("--max-new-tokens", type=int, default=256)
     a.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -186,8 +220,18 @@ def check_drafter_args(args: argparse.Namespace) -> None:
         raise UserError(f"unknown drafter {args.drafter!r}; choose one of: {', '.join(sorted(DRAFTERS))}")
     if args.drafter == "draft_model" and args.draft_model is None:
         raise UserError("--drafter draft_model needs --draft-model PATH")
+    if args.drafter == "eagle" and getattr(args, "eagle_head", None) is None:
+        raise UserError("--drafter eagle needs --eagle-head PATH (a folder written by `specdec train eagle`)")
+    if args.drafter == "medusa" and getattr(args, "medusa_heads", None) is None:
+        raise UserError("--drafter medusa needs --medusa-heads PATH (a folder written by `specdec train medusa`)")
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise UserError(f"unknown dtype {args.dtype!r}; choose auto, {', '.join(DTYPES)}")
+
+
+def drafter_extra(args: argparse.Namespace) -> dict:
+    """DrafterOptions.extra from the trained-drafter paths given (--eagle-head, --medusa-heads)."""
+    paths = {"eagle_path": args.eagle_head, "medusa_path": args.medusa_heads}
+    return {k: v for k, v in paths.items() if v is not None}
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -202,21 +246,22 @@ def read_prompt(prompt: str | None) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     from specdec.api import encode_prompt
-    from specdec.config import SamplingParams, SpecConfig
+    from specdec.config import SamplingParams
     from specdec.drafters import DrafterOptions
     from specdec.engine import SpecEngine
     from specdec.models import load_model
 
     prompt = read_prompt(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    config = SpecConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), sampling=sampling)
+    config = spec_config(args, sampling, stop=tuple(args.stop))
     if args.check_lossless and not sampling.greedy:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
     check_drafter_args(args)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
-    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                             extra=drafter_extra(args))
     engine = SpecEngine(target, args.drafter, options)
     ids = encode_prompt(target.tokenizer, prompt, chat=not args.raw)
     row = engine.generate([ids], config).rows[0]
@@ -293,7 +338,8 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         task=args.task, limit=args.limit, model=args.model, drafters=args.drafters, gammas=args.gammas,
         peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
-        repeats=args.repeats, draft_model=args.draft_model, dtype=args.dtype, device=args.device,
+        repeats=args.repeats, draft_model=args.draft_model, eagle_head=args.eagle_head, medusa_heads=args.medusa_heads,
+        dtype=args.dtype, device=args.device,
         chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
     )
     results = run_bench(config, progress=not args.json)

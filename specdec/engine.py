@@ -15,10 +15,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from specdec.adaptive import CostModel, GammaPolicy
+from specdec.analysis.speedup import measure_forward_times, verify_ratios
 from specdec.config import SpecConfig
 from specdec.drafters import DecodeState, Drafter, DrafterOptions, build_drafter
 from specdec.drafters.base import empty_proposal
 from specdec.errors import UserError
+from specdec.graphs import GraphedModel, bucket
+from specdec.models.llama import LlamaModel
 from specdec.metrics import SpecStats
 from specdec.sampling import logits_to_probs, make_generator, sample
 from specdec.drafters.base import Proposal
@@ -64,11 +68,38 @@ class GenerateOutput:
 
 
 class SpecEngine:
-    def __init__(self, target, drafter: Drafter | str = "none", options: DrafterOptions | None = None) -> None:
+    def __init__(
+        self, target, drafter: Drafter | str = "none", options: DrafterOptions | None = None, graphs: bool | None = None
+    ) -> None:
+        """graphs: replay decode/verify forwards from CUDA graphs (default: on a CUDA device, native model)."""
         self.target = target
         self.drafter = build_drafter(drafter, target, options) if isinstance(drafter, str) else drafter
         self.tokenizer = getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
+        self.cost_model: CostModel | None = None  # measured once, for the `cost` gamma policy
+        if graphs is None:
+            graphs = self.device.type == "cuda" and isinstance(target, LlamaModel)
+        self.graphed: dict[tuple[int, int], GraphedModel] | None = {} if graphs else None
+
+    def target_for(self, batch_size: int, max_len: int):
+        """(forward, cache) for a run: the model and a fresh cache, or a graphed model over a reused
+        static cache (cache lengths bucketed so that runs share captured graphs)."""
+        if self.graphed is None:
+            return self.target, self.target.new_cache(batch_size, max_len)
+        key = (batch_size, bucket(max_len))
+        if key not in self.graphed:
+            self.graphed[key] = GraphedModel(self.target, self.target.new_cache(batch_size, key[1], static=True))
+        graphed = self.graphed[key]
+        graphed.cache.lengths.zero_()
+        return graphed, graphed.cache
+
+    def measure_costs(self, context: list[int], gamma_max: int) -> CostModel:
+        """Time target forwards over 1..gamma_max+1 tokens once (a few dozen forwards)."""
+        if self.cost_model is None:
+            ks = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= gamma_max + 1} | {gamma_max + 1})
+            times = measure_forward_times(self.target, context[-256:], ks, repeats=3, graphs=self.graphed is not None)
+            self.cost_model = CostModel(verify_ratios(times), times[1])
+        return self.cost_model
 
     def eos_ids(self, config: SpecConfig) -> set[int]:
         if not config.stop_at_eos:
@@ -86,6 +117,8 @@ class SpecEngine:
         if longest >= self.target.max_context:
             raise UserError(f"prompt of {longest} tokens does not fit the model's context of {self.target.max_context}")
         max_new = min(config.max_new_tokens, self.target.max_context - longest)
+        if config.gamma_policy == "cost":
+            self.measure_costs(prompts[0], config.gamma_max)
         t0 = time.perf_counter()
         run = Run(self, prompts, config, max_new, observer)
         run.prefill()
@@ -104,7 +137,10 @@ class Run:
         self.engine, self.config, self.max_new, self.observer = engine, config, max_new, observer
         self.eos = engine.eos_ids(config)
         B = len(prompts)
-        max_len = max(len(p) for p in prompts) + max_new + engine.drafter.max_tokens(config.gamma) + 2
+        self.policy = GammaPolicy(config.gamma_policy, config.gamma, config.gamma_max, config.confidence_threshold,
+                                  engine.cost_model)
+        self.policy.start(B)
+        max_len = max(len(p) for p in prompts) + max_new + engine.drafter.max_tokens(self.policy.largest) + 2
         self.state = DecodeState(
             tokens=[list(p) for p in prompts],
             prompt_lengths=[len(p) for p in prompts],
@@ -113,8 +149,9 @@ class Run:
             generator=make_generator(config.sampling.seed, engine.device),
             device=engine.device,
             max_len=max_len,
+            draft_threshold=config.confidence_threshold if config.gamma_policy == "confidence" else None,
         )
-        self.cache = engine.target.new_cache(B, max_len)
+        self.forward, self.cache = engine.target_for(B, max_len)
         self.row_stats = [SpecStats() for _ in range(B)]
         self.finish_reasons = ["length"] * B
         self.texts: list[str | None] = [None] * B
@@ -127,7 +164,7 @@ class Run:
         block = torch.tensor([p + [p[-1]] * (T - len(p)) for p in s.tokens], device=dev)  # [B, T] right-padded
         positions = torch.arange(T, device=dev).expand(s.batch_size, T)
         t = time.perf_counter()
-        out = self.engine.target(block, positions, self.cache, logits_at=lengths - 1)
+        out = self.forward(block, positions, self.cache, logits_at=lengths - 1)
         self.target_s += time.perf_counter() - t
         self.cache.trim(lengths)
         s.target_hidden = out.hidden
@@ -138,12 +175,15 @@ class Run:
 
     def step(self) -> None:
         s, dev = self.state, self.state.device
-        remaining = [self.max_new - self.num_generated(b) if s.active[b] else 0 for b in range(s.batch_size)]
-        k = max(0, min(self.config.gamma, max(remaining) - 1))  # never draft past max_new_tokens
+        # per row: the policy's gamma, never drafting past max_new_tokens
+        budget = [min(self.policy.choose(b), self.max_new - self.num_generated(b) - 1) if s.active[b] else 0
+                  for b in range(s.batch_size)]
+        k = max(0, max(budget))
         t = time.perf_counter()
         proposal = self.engine.drafter.propose(s, k) if k > 0 else empty_proposal(s)
-        self.draft_s += time.perf_counter() - t
-        cap = torch.tensor([max(r - 1, 0) for r in remaining], device=dev)  # [B]
+        draft_time = time.perf_counter() - t
+        self.draft_s += draft_time
+        cap = torch.tensor(budget, device=dev).clamp(min=0)  # [B]
         pending = torch.tensor([row[-1] for row in s.tokens], device=dev)  # [B]
         block = torch.cat([pending[:, None], proposal.tokens], dim=1)  # [B, T]
         start = self.cache.lengths.clone()  # [B]
@@ -153,17 +193,18 @@ class Run:
             num_drafted = cap.clamp(max=proposal.tokens.shape[1])
             if proposal.num_drafted is not None:
                 num_drafted = torch.minimum(proposal.num_drafted, num_drafted)
-            out = self.engine.target(block, start[:, None] + torch.arange(block.shape[1], device=dev), self.cache)
+            out = self.forward(block, start[:, None] + torch.arange(block.shape[1], device=dev), self.cache)
             result = self.verify(proposal, out.logits, num_drafted)
             self.cache.trim(torch.where(active, start + result.num_accepted + 1, start))
-            s.target_hidden = out.hidden
+            s.target_hidden, s.target_logits = out.hidden, out.logits
         else:
             depths = proposal.tree.depths()  # [B, N+1]
             num_drafted = torch.where(active, depths.amax(-1), 0)  # a tree drafts its depth per row
-            out = self.engine.target(block, start[:, None] + depths, self.cache, mask=proposal.tree.ancestor_mask())
+            out = self.forward(block, start[:, None] + depths, self.cache, mask=proposal.tree.ancestor_mask())
             result = self.verify(proposal, out.logits, num_drafted)
             self.cache.compact(start, result.path, torch.where(active, result.num_accepted + 1, 0))
             s.target_hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))
+            s.target_logits = out.logits
         tokens, accepted, drafted = result.tokens.tolist(), result.num_accepted.tolist(), num_drafted.tolist()
         self.target_s += time.perf_counter() - t
         if self.observer is not None:
@@ -171,6 +212,11 @@ class Run:
             self.observer(StepRecord(proposal.tokens, proposal.probs, num_drafted, out.logits, result, generated,
                                      list(s.active), proposal.tree))
         nodes = proposal.tree.valid().sum(-1).tolist() if proposal.tree is not None else None  # tree nodes verified
+        for b in range(s.batch_size):
+            if s.active[b]:
+                self.policy.observe(b, drafted[b], accepted[b])
+        if self.policy.cost is not None:
+            self.policy.cost.observe_draft(draft_time, sum(drafted))
         self.commit_rows([row[: n + 1] for row, n in zip(tokens, accepted)], drafted, accepted, nodes)
         self.engine.drafter.commit(s, result)
 

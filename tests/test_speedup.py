@@ -35,8 +35,8 @@ def test_estimate_from_tau_and_interpolation():
     ratios = {1: 1.0, 2: 1.2, 4: 1.5}
     assert interpolate(ratios, 3) == pytest.approx(1.35)
     assert interpolate(ratios, 0.5) == 1.0 and interpolate(ratios, 9) == 1.5
-    # tau 2 over a step that drafts 3 tokens at c 0.1 each and verifies 4 tokens: 2 / (0.3 + 1.5)
-    assert estimated_speedup_from_tau(2.0, 3.0, 0.1, ratios) == pytest.approx(2 / 1.8)
+    # tau 2 over a step whose drafting costs 0.3 plain steps and which verifies 3 drafts (4 tokens): 2 / (0.3 + 1.5)
+    assert estimated_speedup_from_tau(2.0, 0.3, 3.0, ratios) == pytest.approx(2 / 1.8)
 
 
 def test_cost_coefficient_and_ratios():

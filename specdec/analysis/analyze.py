@@ -26,12 +26,12 @@ from specdec.metrics import SpecStats
 def run_analyze(args: argparse.Namespace) -> int:
     from specdec.analysis.rejection_report import format_summary, require_matplotlib, write_outputs
     from specdec.api import encode_prompt
-    from specdec.cli import check_drafter_args
+    from specdec.cli import check_drafter_args, spec_config
     from specdec.bench.tasks import load_tasks
     from specdec.models import load_model
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    config = SpecConfig(gamma=args.gamma, max_new_tokens=args.max_new_tokens, sampling=sampling)
+    config = spec_config(args, sampling)
     if args.drafter == "none":
         raise UserError("--drafter none drafts nothing, so nothing is rejected: pick ngram or draft_model")
     check_drafter_args(args)

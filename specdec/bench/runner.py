@@ -23,14 +23,19 @@ from specdec.analysis.speedup import (
     cost_coefficient,
     estimated_speedup,
     estimated_speedup_from_tau,
+    interpolate,
+    copy_bandwidth,
     measure_forward_times,
     verify_ratios,
+    weight_bytes_per_forward,
 )
 from specdec.api import encode_prompt
 from specdec.bench.peers import PEERS, HFPeer, LlamaCppPeer, llama_cpp_available
 from specdec.bench.tasks import Task, is_correct, load_tasks
+from specdec.adaptive import POLICIES
 from specdec.config import SamplingParams, SpecConfig
 from specdec.drafters import DRAFTERS, DrafterOptions
+from specdec.drafters.draft_model import is_shared_draft, load_draft
 from specdec.engine import SpecEngine
 from specdec.errors import UserError
 from specdec.models import load_model
@@ -52,11 +57,16 @@ class BenchConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     repeats: int = 1
     draft_model: str | None = None
+    eagle_head: str | None = None  # folder of a trained EAGLE head (the eagle drafter needs one)
+    medusa_heads: str | None = None  # folder of trained Medusa heads (the medusa drafter needs one)
     dtype: str = "auto"
     device: str = "auto"
     chat: bool = True
     ngram_max: int = 3
     ngram_min: int = 1
+    policies: tuple[str, ...] = ()  # adaptive-gamma policies, each added per drafter as specdec/<d>/auto-<policy>
+    gamma_max: int = 8
+    confidence_threshold: float = 0.4
 
     def __post_init__(self) -> None:
         if not self.gammas or min(self.gammas) < 1:
@@ -68,11 +78,20 @@ class BenchConfig:
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown:
             raise UserError(f"unknown drafter(s) {unknown}; choose from {sorted(DRAFTERS)}")
+        bad_policies = [p for p in self.policies if p not in POLICIES or p == "fixed"]
+        if bad_policies:
+            raise UserError(f"unknown gamma policy(ies) {bad_policies}; choose from heuristic, confidence, cost")
         bad_peers = [p for p in self.peers if p not in PEERS]
         if bad_peers:
             raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)}")
         if ("draft_model" in self.drafters or "hf-assisted" in self.peers) and self.draft_model is None:
             raise UserError("the draft_model drafter and the hf-assisted peer need --draft-model")
+        if "hf-assisted" in self.peers and self.draft_model is not None and is_shared_draft(self.draft_model):
+            raise UserError("the hf-assisted peer cannot load a draft that borrows the target's embeddings (`specdec train draft`)")
+        if "eagle" in self.drafters and self.eagle_head is None:
+            raise UserError("the eagle drafter needs --eagle-head PATH (a folder written by `specdec train eagle`)")
+        if "medusa" in self.drafters and self.medusa_heads is None:
+            raise UserError("the medusa drafter needs --medusa-heads PATH (a folder written by `specdec train medusa`)")
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,8 @@ class Method:
     name: str  # e.g. "specdec/ngram/4", "hf", "hf-pld/4"
     family: str  # "specdec" or a peer name
     drafter: str | None = None
-    gamma: int = 0
+    gamma: int = 0  # 0 with an adaptive policy
+    policy: str = "fixed"
 
 
 @dataclass
@@ -106,6 +126,7 @@ def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method
     for drafter in config.drafters:
         if drafter != "none":
             methods += [Method(f"specdec/{drafter}/{g}", "specdec", drafter, g) for g in config.gammas]
+            methods += [Method(f"specdec/{drafter}/auto-{p}", "specdec", drafter, 0, p) for p in config.policies]
     notes = []
     pld = config.pld_gammas or config.gammas
     for peer in config.peers:
@@ -132,8 +153,10 @@ class Runner:
         self.dtype, self.device = p.dtype, p.device
         self.draft = None
         if config.draft_model is not None:
-            self.draft = load_model(config.draft_model, dtype=self.dtype, device=str(self.device))
-        options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min)
+            self.draft = load_draft(config.draft_model, self.target)  # a shared-embedding draft borrows the target's
+        paths = {"eagle_path": config.eagle_head, "medusa_path": config.medusa_heads}
+        options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+                                 extra={k: v for k, v in paths.items() if v is not None})
         self.engines = {m.name: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
         self.hf = None
         if any(m.family.startswith("hf") for m in methods):
@@ -148,7 +171,9 @@ class Runner:
     def run(self, method: Method, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float, dict | None]:
         sampling = self.config.sampling
         if method.family == "specdec":
-            spec = SpecConfig(gamma=max(method.gamma, 1), max_new_tokens=max_new_tokens, sampling=sampling)
+            spec = SpecConfig(gamma=max(method.gamma, 1), gamma_policy=method.policy, gamma_max=self.config.gamma_max,
+                              confidence_threshold=self.config.confidence_threshold, max_new_tokens=max_new_tokens,
+                              sampling=sampling)
             row = self.engines[method.name].generate([prompt], spec).rows[0]
             return row.token_ids, row.stats.wall_s, row.stats.to_dict()
         peer = self.llama if method.family.startswith("llamacpp") else self.hf
@@ -218,13 +243,21 @@ def calibrate(runner: Runner, prompts: list[list[int]], records: list[RunRecord]
     plain_outputs = [r.token_ids for r in records if r.method == PLAIN and r.repeat == 0]
     context_len = int(statistics.median(len(p) for p in prompts) + statistics.median(len(o) for o in plain_outputs) / 2)
     context = (prompts[0] + plain_outputs[0] + prompts[0] * 8)[: max(context_len, 2)]
-    ks = list(range(1, max([m.gamma for m in methods] + [1]) + 2))
-    times = measure_forward_times(runner.target, context, ks)
-    return {
+    largest = max([1] + [runner.engines[m.name].drafter.max_tokens(max(m.gamma, runner.config.gamma_max if m.policy != "fixed" else 0))
+                         for m in methods if m.family == "specdec"])
+    ks = list(range(1, largest + 2))
+    graphs = any(e.graphed is not None for e in runner.engines.values())
+    times = measure_forward_times(runner.target, context, ks, graphs=graphs)
+    calibration = {
         "context_len": len(context),
         "forward_s": {str(k): t for k, t in times.items()},
         "verify_ratio": {str(k): r for k, r in verify_ratios(times).items()},
     }
+    if runner.device.type == "cuda":  # the floor: weights read per forward / memory bandwidth
+        weight_bytes, bandwidth = weight_bytes_per_forward(runner.target), copy_bandwidth(runner.device)
+        calibration.update(weight_bytes=weight_bytes, copy_bandwidth_gbs=bandwidth / 1e9,
+                           floor_forward_s=weight_bytes / bandwidth, floor_tokens_per_s=bandwidth / weight_bytes)
+    return calibration
 
 
 def quartiles(values: list[float]) -> dict:
@@ -287,21 +320,25 @@ def acceptance_summary(method: Method, stats: list[dict], calibration: dict) -> 
     alpha = accepted / drafted if drafted else None
     tau = emitted_after_prefill / decode_steps if decode_steps else None
     drafted_per_step = drafted / decode_steps if decode_steps else 0.0
-    c = cost_coefficient(sum(s["draft_s"] for s in stats), decode_steps, method.gamma, t1) if method.gamma else None
+    nodes_per_step = sum(s.get("draft_nodes", s["drafted"]) for s in stats) / decode_steps if decode_steps else 0.0
+    draft_s = sum(s["draft_s"] for s in stats)
     out = {
         "acceptance_rate": alpha,
         "mean_accepted_length": tau,
         "drafted_per_step": drafted_per_step,
-        "cost_coefficient": c,
-        "verify_ratio": ratios.get(method.gamma + 1),
+        "nodes_per_step": nodes_per_step,  # tokens verified per step besides the pending one (trees: nodes)
+        "cost_coefficient": cost_coefficient(draft_s, decode_steps, method.gamma or drafted_per_step, t1),
+        "verify_ratio": interpolate(ratios, nodes_per_step + 1) if method.policy != "fixed" or method.gamma == 0
+        else ratios.get(method.gamma + 1),
         "estimated_speedup": None,
         "estimated_speedup_tau": None,
         "acceptance_per_position": pool_per_position(stats),
     }
-    if method.gamma and alpha is not None and c is not None:
-        out["estimated_speedup"] = estimated_speedup(alpha, method.gamma, c, ratios[method.gamma + 1])
-        c_token = c * method.gamma / drafted_per_step if drafted_per_step else 0.0
-        out["estimated_speedup_tau"] = estimated_speedup_from_tau(tau, drafted_per_step, c_token, ratios)
+    if tau is not None and decode_steps:
+        out["estimated_speedup_tau"] = estimated_speedup_from_tau(tau, draft_s / decode_steps / t1, nodes_per_step, ratios)
+    if method.policy == "fixed" and method.gamma and alpha is not None and out["cost_coefficient"] is not None \
+            and nodes_per_step <= method.gamma:  # the chain formula; not for trees
+        out["estimated_speedup"] = estimated_speedup(alpha, method.gamma, out["cost_coefficient"], ratios[method.gamma + 1])
     return out
 
 
