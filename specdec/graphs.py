@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from specdec.kv_cache import KVCache
+from specdec.models.fused import fusing
 from specdec.models.llama import ModelOutput
 
 
@@ -59,13 +60,13 @@ class GraphedModel:
         lengths = self.cache.lengths.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (kernels pick their algorithms), then undo its cache writes
+        with fusing(), torch.cuda.stream(side):  # warm up (compile, pick algorithms), then undo its cache writes
             for _ in range(2):
                 self.model(tokens, positions, self.cache, mask)
                 self.cache.lengths.copy_(lengths)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with fusing(), torch.cuda.graph(graph, pool=self.pool):
             out = self.model(tokens, positions, self.cache, mask)
         self.cache.lengths.copy_(lengths)  # capturing ran nothing, but be explicit: the cache is as before
         self.graphs[key] = Captured(graph, tokens, positions, mask, out)

@@ -4,13 +4,16 @@ A decode forward of a large model on a GPU is a few big matrix-vector products a
 elementwise kernels per layer; in a CUDA graph the small ones still cost a few microseconds each
 (measured on an H200, Llama-3-8B shape: 1,413 kernels, 6.2 ms of kernel time against a 3.6 ms
 weight-reading floor; fusing these brought it to 670 kernels and 4.9 ms; compiling whole layers
-gave no more). On the CPU, or with SPECDEC_COMPILE=0, the same functions run eagerly; the maths is
-identical either way.
+gave no more). Only forwards captured into CUDA graphs run compiled (inside `fusing()`): their
+shapes are few and fixed, while eager forwards (prefill, draft heads of every tree shape) would
+recompile for each new shape and lose more than fusion gains. On the CPU, or with
+SPECDEC_COMPILE=0, the same functions run eagerly; the maths is identical either way.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -34,13 +37,33 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+FUSING = [False]  # inside fusing(): set while a graphed forward warms up and is captured
+RECOMPILE_LIMIT = 64  # one compile per (dtype, eps) a process meets; dynamic shapes cover the rest
+EAGER: set = set()  # functions whose compilation failed: they run eagerly from then on
+
+
 @cache
 def compiled(fn):
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+@contextmanager
+def fusing():
+    """Within: elementwise pieces on CUDA run through their compiled kernels."""
+    previous, FUSING[0] = FUSING[0], True
+    try:
+        yield
+    finally:
+        FUSING[0] = previous
+
+
 def run(fn, *args):
-    """fn(*args), through its compiled kernel when the first argument is on a CUDA device."""
-    if args[0].is_cuda and os.environ.get("SPECDEC_COMPILE", "1") != "0":
-        return compiled(fn)(*args)
+    """fn(*args), through its compiled kernel inside fusing() on a CUDA device (eager if compiling it
+    ever failed: the maths is the same)."""
+    if FUSING[0] and args[0].is_cuda and fn not in EAGER and os.environ.get("SPECDEC_COMPILE", "1") != "0":
+        try:
+            return compiled(fn)(*args)
+        except torch._dynamo.exc.TorchDynamoException:
+            EAGER.add(fn)
     return fn(*args)
