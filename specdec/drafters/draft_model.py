@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.linear import Linear, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
@@ -79,18 +80,23 @@ class DraftModelDrafter:
         self.cache.trim(start + counts)
         tokens, probs = [], []
         logits = out.logits[:, -1]  # [B, V]
+        num_drafted = torch.tensor([k if a else 0 for a in state.active], device=dev)  # [B]
         for i in range(k):
             token, q = self.draw(logits, state)
             tokens.append(token)
             probs.append(q)
+            if state.draft_threshold is not None and i > 0:  # confidence policy: cut rows at their first unsure token
+                unsure = logits.float().softmax(-1).amax(-1) < state.draft_threshold  # [B]
+                num_drafted = torch.where(unsure & (num_drafted > i), i, num_drafted)
+                if int(num_drafted.max()) <= i:
+                    break
             if i < k - 1:
                 positions = self.cache.lengths[:, None].clone()  # [B, 1]
                 logits = self.draft(token[:, None], positions, self.cache).logits[:, -1]
-        num_drafted = torch.tensor([k if a else 0 for a in state.active], device=dev)
         return Proposal(
-            tokens=torch.stack(tokens, 1),  # [B, k]
-            probs=None if state.sampling.greedy else torch.stack(probs, 1),  # [B, k, V]
-            num_drafted=num_drafted,
+            tokens=torch.stack(tokens, 1),  # [B, k'] (k' <= k when every row stopped early)
+            probs=None if state.sampling.greedy else torch.stack(probs, 1),  # [B, k', V]
+            num_drafted=num_drafted.clamp(max=len(tokens)),
         )
 
     def draw(self, logits: Tensor, state: DecodeState) -> tuple[Tensor, Tensor | None]:
@@ -188,6 +194,7 @@ def load_draft(draft, target):
 
 @register("draft_model")
 def build(target, options: DrafterOptions) -> DraftModelDrafter:
-    if options.draft_model is None:
-        raise UserError("the draft_model drafter needs a draft model (--draft-model PATH)")
-    return DraftModelDrafter(target, load_draft(options.draft_model, target))
+    draft = options.draft_model
+    if draft is None:
+        draft = trained_folder("draft", target, None, "--draft-model")
+    return DraftModelDrafter(target, load_draft(draft, target))

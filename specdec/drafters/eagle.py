@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.eagle import EagleHead, load_eagle_head
 from specdec.verify import TreeSpec, VerifyResult
@@ -163,8 +164,6 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor,
 def build(target, options: DrafterOptions) -> EagleDrafter:
     head = options.extra.get("eagle_head")
     if head is None:
-        if options.extra.get("eagle_path") is None:
-            raise UserError("the eagle drafter needs a trained head (--eagle-head PATH, or the shipped default)")
-        head = load_eagle_head(options.extra["eagle_path"])
+        head = load_eagle_head(trained_folder("eagle", target, options.extra.get("eagle_path"), "--eagle-head"))
     tree = EagleTreeConfig(**{k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__})
     return EagleDrafter(target, head, tree)

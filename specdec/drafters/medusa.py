@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.medusa import MedusaHeads, load_medusa_heads, read_config
 from specdec.verify import TreeSpec, VerifyResult
@@ -140,8 +141,7 @@ def build(target, options: DrafterOptions) -> MedusaDrafter:
     heads, stored = options.extra.get("medusa_heads"), {}
     path = options.extra.get("medusa_path")
     if heads is None:
-        if path is None:
-            raise UserError("the medusa drafter needs trained heads (--medusa-heads PATH)")
+        path = trained_folder("medusa", target, path, "--medusa-heads")
         heads = load_medusa_heads(path)
     if path is not None:
         stored = read_config(Path(path))
