@@ -10,7 +10,7 @@
 4. an ESTIMATE of speedup for the 8B target: its measured r(k) and draft cost c with the acceptance
    measured on the default-model pair.
 
-    python benchmarks/gpu.py --out OUT [--limit 10] [--eagle-head DIR] [--skip-default]
+    python benchmarks/gpu.py --out OUT [--limit 10] [--drafters ngram,eagle,...] [--eagle-head DIR] [--skip-default]
 """
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--eagle-head", default=None)
+    ap.add_argument("--eagle-head", default=None, help="an EAGLE head folder (default: the one shipped for the default model)")
+    ap.add_argument("--drafters", default="ngram,eagle,medusa,draft_model", help="drafters benched on the default model")
     ap.add_argument("--skip-default", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
@@ -176,10 +177,10 @@ def main() -> int:
         from specdec.bench.tasks import load_tasks
         from specdec.models import load_model
 
-        drafters = ("ngram", "eagle") if args.eagle_head else ("ngram",)
-        config = BenchConfig(task="gsm8k-eval", limit=args.limit, drafters=drafters, gammas=(2, 4, 6),
-                             peers=("hf",), max_new_tokens=args.max_new_tokens, device="cuda", dtype="bfloat16",
-                             eagle_head=args.eagle_head)
+        extra = {"eagle_path": args.eagle_head} if args.eagle_head else {}  # default: the shipped heads
+        config = BenchConfig(task="gsm8k-eval", limit=args.limit, drafters=tuple(args.drafters.split(",")),
+                             gammas=(2, 4, 6), peers=("hf",), max_new_tokens=args.max_new_tokens, device="cuda",
+                             dtype="bfloat16", drafter_extra=extra)
         bench = run_bench(config, progress=False)
         write_outputs(bench, out / "bench-default-bf16")
         print(format_table(bench), flush=True)
@@ -188,7 +189,7 @@ def main() -> int:
                                     for m in bench["methods"]}
         tok = load_model("default", dtype="float32", device="cpu").tokenizer
         prompts = [encode_prompt(tok, t.prompt) for t in load_tasks("gsm8k-eval", args.limit)]
-        pairs = [("ngram", {})] + ([("eagle", {"eagle_path": args.eagle_head})] if args.eagle_head else [])
+        pairs = [("ngram", {}), ("eagle", extra)]
         results["honesty_bf16"] = honesty("default", pairs, prompts, "bfloat16", "cuda", args.max_new_tokens)
         results["honesty_fp32"] = honesty("default", pairs, prompts, "float32", "cuda", args.max_new_tokens)
         best = max((m for m in bench["methods"] if m["family"] == "specdec" and m["drafter"] != "none"),

@@ -1,4 +1,4 @@
-"""Command line: `specdec generate | bench | analyze | train | demo`. Argument parsing lives here and nowhere else.
+"""Command line: `specdec generate | bench | analyze | train | tune | demo`. Argument parsing lives here and nowhere else.
 
 A user mistake prints one line (`specdec: error: ...`) and exits with status 2, never a traceback.
 """
@@ -20,11 +20,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+DRAFTER_HELP = ("none, ngram, draft_model, eagle, medusa (trained; shipped for the default model), "
+                "lookahead, layer_skip, quantized (training-free)")
+
+
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none, ngram, draft_model")
-    p.add_argument("--draft-model", default=None, help="draft model for --drafter draft_model (same forms as --model)")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches")
+    p.add_argument("--drafter", default="ngram", help=DRAFTER_HELP)
+    add_drafter_options(p)
+
+
+def add_drafter_options(p: argparse.ArgumentParser) -> None:
+    """What each drafter reads; the trained ones default to the heads shipped for the default model."""
+    p.add_argument("--draft-model", default=None, help="draft_model: a model (same forms as --model) or a `specdec train draft` folder")
+    p.add_argument("--eagle-head", default=None, help="eagle: a head folder from `specdec train eagle`")
+    p.add_argument("--medusa-heads", default=None, help="medusa: a heads folder from `specdec train medusa`")
+    p.add_argument("--tree-nodes", type=int, default=None, help="eagle: draft tree nodes verified per step (default 15)")
+    p.add_argument("--ngram-max", type=int, default=3, help="ngram: longest n-gram matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest n-gram matched")
+    p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")
+    p.add_argument("--layer-skip-config", default=None, help="layer_skip: the JSON written by `specdec tune layer-skip`")
+    p.add_argument("--window", type=int, default=None, help="lookahead: Jacobi window W (default 4)")
+    p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N of the pool (default 4)")
+    p.add_argument("--guesses", type=int, default=None, help="lookahead: pool continuations verified per step G (default 3)")
 
 
 def gamma_arg(text: str) -> int | str:
@@ -68,8 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted or '-')")
     add_model_args(g)
     add_drafter_args(g)
-    g.add_argument("--eagle-head", default=None, help="trained head folder for --drafter eagle (from `specdec train eagle`)")
-    g.add_argument("--medusa-heads", default=None, help="trained heads folder for --drafter medusa (from `specdec train medusa`)")
     g.add_argument("--gamma", type=gamma_arg, default=4, help="draft tokens proposed per step, or 'auto' (see --gamma-policy)")
     add_policy_args(g)
     add_sampling_args(g)
@@ -90,11 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, about in TRAINERS.items():
         add_train_args(kinds.add_parser(kind, help=about), kind)
 
+    u = sub.add_parser("tune", help="tune a training-free drafter: `tune layer-skip` picks the layers the self-draft keeps")
+    u.add_argument("what", choices=["layer-skip"], help="what to tune")
+    add_model_args(u)
+    u.add_argument("--task", default="gsm8k-train", help="calibration prompts (never tune on the eval set)")
+    u.add_argument("--limit", type=int, default=4, help="calibration prompts")
+    u.add_argument("--max-new-tokens", type=int, default=96, help="target continuation per calibration prompt")
+    u.add_argument("--max-gamma", type=int, default=8, help="largest gamma the estimate considers")
+    u.add_argument("--out", default="runs/tune/layer-skip.json", help="JSON for `--layer-skip-config`")
+
     d = sub.add_parser("demo", help="the main job: a short bench on the default model (ngram, gammas 1-8, transformers peer)")
     add_model_args(d)
     d.add_argument("--limit", type=int, default=5, help="GSM8K eval prompts")
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--out", default="runs/demo", help="folder for results.json, report.md and plots")
+
+    from specdec.server.cli import add_server_commands
+
+    add_server_commands(sub)
     return parser
 
 
@@ -112,17 +140,13 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
     b.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(b)
-    b.add_argument("--drafters", type=csv(str), default=("ngram",), help="comma-separated drafters (none, ngram, draft_model)")
-    b.add_argument("--draft-model", default=None, help="draft model for draft_model and the hf-assisted peer")
-    b.add_argument("--eagle-head", default=None, help="trained head folder for the eagle drafter (from `specdec train eagle`)")
-    b.add_argument("--medusa-heads", default=None, help="trained heads folder for the medusa drafter (from `specdec train medusa`)")
+    b.add_argument("--drafters", type=csv(str), default=("ngram",), help=f"comma-separated: {DRAFTER_HELP}")
+    add_drafter_options(b)
     b.add_argument("--gammas", type=csv(int), default=(1, 2, 3, 4, 6, 8), help="comma-separated gammas")
     b.add_argument("--pld-gammas", type=csv(int), default=None, help="prompt-lookup sizes for the hf-pld peer (default: --gammas)")
     b.add_argument("--policies", type=csv(str), default=(), help="adaptive-gamma policies to add per drafter: heuristic, confidence, cost")
     b.add_argument("--gamma-max", type=int, default=None, help="the most an adaptive policy drafts (default: the largest of --gammas)")
     b.add_argument("--confidence-threshold", type=float, default=0.4, help="for the confidence policy")
-    b.add_argument("--ngram-max", type=int, default=3)
-    b.add_argument("--ngram-min", type=int, default=1)
     b.add_argument("--max-new-tokens", type=int, default=256)
     add_sampling_args(b)
     b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld (empty for none)")
@@ -192,8 +216,16 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.analysis.analyze import run_analyze
 
             return run_analyze(args)
+        if args.command == "tune":
+            from specdec.tune import run_tune
+
+            return run_tune(args)
         if args.command == "demo":
             return run_demo(args)
+        if args.command in ("serve", "bench-serve"):
+            from specdec.server.cli import run_bench_serve, run_serve
+
+            return run_serve(args) if args.command == "serve" else run_bench_serve(args)
     except UserError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
@@ -218,20 +250,32 @@ def check_drafter_args(args: argparse.Namespace) -> None:
 
     if args.drafter not in DRAFTERS:
         raise UserError(f"unknown drafter {args.drafter!r}; choose one of: {', '.join(sorted(DRAFTERS))}")
-    if args.drafter == "draft_model" and args.draft_model is None:
-        raise UserError("--drafter draft_model needs --draft-model PATH")
-    if args.drafter == "eagle" and getattr(args, "eagle_head", None) is None:
-        raise UserError("--drafter eagle needs --eagle-head PATH (a folder written by `specdec train eagle`)")
-    if args.drafter == "medusa" and getattr(args, "medusa_heads", None) is None:
-        raise UserError("--drafter medusa needs --medusa-heads PATH (a folder written by `specdec train medusa`)")
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise UserError(f"unknown dtype {args.dtype!r}; choose auto, {', '.join(DTYPES)}")
 
 
 def drafter_extra(args: argparse.Namespace) -> dict:
-    """DrafterOptions.extra from the trained-drafter paths given (--eagle-head, --medusa-heads)."""
-    paths = {"eagle_path": args.eagle_head, "medusa_path": args.medusa_heads}
-    return {k: v for k, v in paths.items() if v is not None}
+    """DrafterOptions.extra from the drafter options given (paths of trained heads, layer_skip, lookahead)."""
+    layers = args.layers
+    if args.layer_skip_config is not None:
+        if layers is not None:
+            raise UserError("give --layers or --layer-skip-config, not both")
+        layers = read_layer_skip_config(args.layer_skip_config)
+    extra = {"eagle_path": args.eagle_head, "medusa_path": args.medusa_heads, "layers": layers,
+             "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
+             "total_tokens": args.tree_nodes}
+    for name in ("window", "ngram", "guesses", "total_tokens"):
+        if extra[name] is not None and extra[name] < 1:
+            raise UserError(f"{name} must be >= 1, got {extra[name]}")
+    return {k: v for k, v in extra.items() if v is not None}
+
+
+def read_layer_skip_config(path: str) -> list[int]:
+    try:
+        layers = json.loads(open(path).read())["layers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--layer-skip-config {path}: not a `specdec tune layer-skip` file ({type(e).__name__})") from None
+    return [int(i) for i in layers]
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -257,11 +301,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.check_lossless and not sampling.greedy:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
     check_drafter_args(args)
+    extra = drafter_extra(args)
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                             extra=drafter_extra(args))
+                             extra=extra)
     engine = SpecEngine(target, args.drafter, options)
     ids = encode_prompt(target.tokenizer, prompt, chat=not args.raw)
     row = engine.generate([ids], config).rows[0]
@@ -338,9 +383,9 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         task=args.task, limit=args.limit, model=args.model, drafters=args.drafters, gammas=args.gammas,
         peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
-        repeats=args.repeats, draft_model=args.draft_model, eagle_head=args.eagle_head, medusa_heads=args.medusa_heads,
-        dtype=args.dtype, device=args.device,
-        chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
+        dtype=args.dtype, device=args.device, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
     )
     results = run_bench(config, progress=not args.json)
     files = write_outputs(results, Path(args.out))

@@ -138,8 +138,8 @@ def run_tune(args) -> int:
     from specdec.errors import UserError
     from specdec.models import load_model
 
-    if args.what != "layer-skip":
-        raise UserError(f"nothing to tune called {args.what!r} (try layer-skip)")
+    if args.limit < 1 or args.max_new_tokens < 1 or args.max_gamma < 1:
+        raise UserError("--limit, --max-new-tokens and --max-gamma must be >= 1")
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer: tuning needs one to encode its prompts")

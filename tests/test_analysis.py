@@ -88,6 +88,21 @@ def test_recorder_agrees_with_engine_stats(pair, drafter, sampling):
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)])
+def test_tree_steps_are_recorded_along_the_walked_path(pair, sampling):
+    """A tree drafter (lookahead): the records are the accepted path plus the rejected first child."""
+    recorder, out = record(*pair, "lookahead", PROMPTS, sampling)
+    assert sum(r.accepted for r in recorder.records) == out.stats.accepted > 0
+    assert any(not r.accepted for r in recorder.records)
+    emitted = {(row, i): t for row, r in enumerate(out.rows) for i, t in enumerate(r.token_ids)}
+    for r in recorder.records:
+        assert r.token_class == "number" and 0 <= r.target_prob <= 1 + 1e-6
+        if sampling.greedy:
+            assert r.accepted == (r.token_id == r.target_token)
+        if r.accepted:
+            assert r.token_id in {t for (_, i), t in emitted.items() if i == r.output_position}
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)])
 def test_records_point_at_the_emitted_tokens(pair, sampling):
     recorder, out = record(*pair, "draft_model", PROMPTS[:1], sampling)
     emitted = out.rows[0].token_ids
@@ -244,7 +259,7 @@ def test_analyze_summary(model_folder, tmp_path, capsys):
     "argv,message",
     [
         (["--drafter", "none"], "drafts nothing"),
-        (["--drafter", "draft_model"], "needs --draft-model"),
+        (["--drafter", "layer_skip", "--layers", "0", "--layer-skip-config", "x.json"], "not both"),
         (["--limit", "0"], "limit must be a positive"),
         (["--task", "no-such-set"], "unknown task set"),
         (["--gamma", "0"], "gamma must be >= 1"),

@@ -85,7 +85,7 @@ def test_outputs_written(results, tmp_path):
     (["--gammas", "0,2"], "gammas must be >= 1"),
     (["--peers", "vllm"], "unknown peer"),
     (["--drafters", "magic"], "unknown drafter"),
-    (["--drafters", "draft_model"], "need --draft-model"),
+    (["--peers", "hf-assisted"], "needs --draft-model"),
     (["--task", "/no/such/file.jsonl"], "no such task file"),
     (["--limit", "0"], "--limit must be >= 1"),
     (["--repeats", "0"], "repeats must be >= 1"),

@@ -34,7 +34,7 @@ BAD_INPUTS = [
     (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["generate", "hi", "--drafter", "nope"], "unknown drafter 'nope'"),
     (["generate", "hi", "--model", "/no/such/model"], "model not found"),
-    (["generate", "hi", "--drafter", "draft_model"], "needs --draft-model"),
+    (["generate", "hi", "--drafter", "layer_skip", "--layers", "1", "--layer-skip-config", "x.json"], "not both"),
     (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
     (["generate", "hi", "--temperature", "0.7", "--check-lossless"], "--check-lossless compares greedy"),
 ]

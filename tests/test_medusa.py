@@ -259,7 +259,7 @@ def test_cli_and_bench_run_medusa_heads_and_a_shared_draft(tmp_path, capsys):
     prompts.write_text('{"turns": ["the cat sat on the mat . the cat sat on"]}\n{"turns": ["1 + 2 = 3 . 4 + 5 ="]}\n')
     results = run_bench(BenchConfig(task=str(prompts), limit=None, model=str(folder), drafters=("medusa", "draft_model"),
                                     gammas=(3,), peers=(), max_new_tokens=12, draft_model=str(tmp_path / "draft"),
-                                    medusa_heads=str(tmp_path / "heads"), device=DEVICE, chat=False), progress=False)
+                                    drafter_extra={"medusa_path": str(tmp_path / "heads")}, device=DEVICE, chat=False), progress=False)
     methods = {m["name"]: m for m in results["methods"]}
     assert methods["specdec/medusa/3"]["lossless"] and methods["specdec/draft_model/3"]["lossless"]
     assert methods["specdec/medusa/3"]["drafted_per_step"] > 0

@@ -4,10 +4,13 @@ policies' arithmetic on hand-computed cases."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 import specdec
-from conftest import tiny_pair
+from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
 from specdec.adaptive import CostModel, GammaPolicy, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
@@ -47,6 +50,20 @@ def test_adaptive_gamma_is_lossless(deep, policy, drafter):
     config = specdec.SpecConfig(gamma=2, gamma_policy=policy, gamma_max=6, max_new_tokens=MAX_NEW)
     out = specdec.SpecEngine(target, drafter).generate(PROMPTS, config)
     assert [r.token_ids for r in out.rows] == plain
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_confidence_policy_cuts_drafts_of_a_draft_model(deep, threshold):
+    """Threshold 0: every row drafts gamma_max, as fixed gamma 4 does; threshold 1: no draft
+    probability reaches it, so each row drafts only its first token, as fixed gamma 1 does; lossless."""
+    target, plain = deep
+    engine = specdec.SpecEngine(target, "quantized")
+    config = specdec.SpecConfig(gamma_policy="confidence", gamma_max=4, confidence_threshold=threshold,
+                                max_new_tokens=MAX_NEW)
+    out = engine.generate(PROMPTS, config)
+    assert [r.token_ids for r in out.rows] == plain
+    fixed = engine.generate(PROMPTS, specdec.SpecConfig(gamma=1 if threshold else 4, max_new_tokens=MAX_NEW))
+    assert out.stats.drafted == fixed.stats.drafted and out.stats.steps == fixed.stats.steps
 
 
 def test_quantized_draft_agrees_often_and_layer_subset_shares_weights(deep):
@@ -125,3 +142,44 @@ def test_tune_candidates():
     assert [0] in sets and [0, 1, 2, 3, 4] in sets and [0, 5] in sets and [0, 2, 4] in sets
     assert all(s == sorted(set(s)) and len(s) < 6 for s in sets)
     assert sorted(neighbours([0, 2], 4)) == sorted([[2], [0], [0, 1, 2], [0, 2, 3]])
+
+
+def test_tune_cli_writes_a_config_that_layer_skip_reads(tmp_path, capsys):
+    """`specdec tune layer-skip` on a tiny model with a tokenizer, then generate with its layers."""
+    from conftest import tiny_folder_with_tokenizer
+    from specdec.cli import main
+
+    folder = tiny_folder_with_tokenizer(tmp_path)
+    prompts = tmp_path / "calib.txt"
+    prompts.write_text("the cat sat on the mat\n1 + 2 = 3\n")
+    common = ["--model", str(folder), "--dtype", "float32", "--device", DEVICE, "--threads", "1"]
+    out = tmp_path / "tune.json"
+    assert main(["tune", "layer-skip", "--task", str(prompts), "--limit", "2", "--max-new-tokens", "8",
+                 "--max-gamma", "3", "--out", str(out), *common]) == 0
+    tuned = json.loads(out.read_text())
+    assert tuned["layers"] == tuned["candidates"][0]["layers"] and "best: layers" in capsys.readouterr().out
+    for options in (["--layer-skip-config", str(out)], ["--layers", "0"],
+                    ["--drafter", "lookahead", "--window", "3", "--lookahead-ngram", "3", "--guesses", "2"]):
+        argv = ["generate", "the cat", "--drafter", "layer_skip", *options, "--max-new-tokens", "8", "--raw",
+                "--check-lossless", "--json", *common]
+        assert main(argv) == 0, options
+        assert json.loads(capsys.readouterr().out)["lossless"] is True
+    for options, message in ((["--window", "0"], "window must be >= 1"), (["--tree-nodes", "0"], "total_tokens must be >= 1"),
+                             (["--layer-skip-config", str(prompts)], "not a `specdec tune layer-skip` file"),
+                             (["--layers", "0", "--layer-skip-config", str(out)], "not both")):
+        assert main(["generate", "x", "--drafter", "layer_skip", *options, *common]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_shipped_drafters_match_only_their_target(deep):
+    """The probe recorded for a shipped drafter matches its own target (also when it was recorded in
+    bfloat16), and no other."""
+    from specdec.drafters.shipped import matches_probe, target_probe
+
+    target, _ = deep
+    probe = target_probe(target)
+    assert matches_probe(target, probe)
+    rounded = torch.tensor(probe["values"]).to(torch.bfloat16).float().tolist()
+    assert matches_probe(target, dict(probe, values=rounded))
+    moved = dict(probe, values=[[v + 0.1 for v in row] for row in probe["values"]])
+    assert not matches_probe(target, moved) and not matches_probe(target, dict(probe, num_layers=99))

@@ -26,15 +26,16 @@ from specdec.metrics import SpecStats
 def run_analyze(args: argparse.Namespace) -> int:
     from specdec.analysis.rejection_report import format_summary, require_matplotlib, write_outputs
     from specdec.api import encode_prompt
-    from specdec.cli import check_drafter_args, spec_config
+    from specdec.cli import check_drafter_args, drafter_extra, spec_config
     from specdec.bench.tasks import load_tasks
     from specdec.models import load_model
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     config = spec_config(args, sampling)
     if args.drafter == "none":
-        raise UserError("--drafter none drafts nothing, so nothing is rejected: pick ngram or draft_model")
+        raise UserError("--drafter none drafts nothing, so nothing is rejected: pick another drafter")
     check_drafter_args(args)
+    extra = drafter_extra(args)
     tasks = load_tasks(args.task, args.limit)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -43,7 +44,8 @@ def run_analyze(args: argparse.Namespace) -> int:
     target = load_model(args.model, dtype=args.dtype, device=args.device)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: analyze needs one to encode prompts and name tokens")
-    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                             extra=extra)
     prompts = [encode_prompt(target.tokenizer, t.prompt, chat=not args.raw) for t in tasks]
     run = {
         "model": args.model, "drafter": args.drafter, "draft_model": args.draft_model, "gamma": args.gamma,

@@ -192,9 +192,11 @@ class RejectionRecorder:
         self.texts: dict[int, str] = {}
 
     def __call__(self, step: StepRecord) -> None:
-        k = step.draft_tokens.shape[1]
-        if k == 0:
+        if step.draft_tokens.shape[1] == 0:
             return
+        if step.tree is not None:
+            step = tree_as_chain(step)
+        k = step.draft_tokens.shape[1]
         drafts = step.draft_tokens  # [B, k]
         p = target_distribution(step.target_logits[:, :k], self.sampling)  # [B, k, V]
         columns = {
@@ -245,6 +247,28 @@ class RejectionRecorder:
         if token not in self.texts:
             self.texts[token] = self.decode([token])
         return self.texts[token]
+
+
+def tree_as_chain(step: StepRecord) -> StepRecord:
+    """A tree step seen as the chain the target walked: the accepted path, then the first child
+    (in proposal order) of the last accepted node, which the target rejected. Siblings tried and
+    rejected along the way are not recorded (a chain drafter would not have proposed them)."""
+    tree, result = step.tree, step.result
+    depth = int(result.num_accepted.max()) + 1
+    path = result.path[:, :depth]  # [B, D] block indices: the root (0), then the accepted nodes
+    last = path.gather(1, result.num_accepted[:, None]).squeeze(1)  # [B] block of the deepest accepted
+    children = (tree.parent_blocks[:, 1:] == last[:, None]) & tree.valid()  # [B, N] nodes hanging off it
+    has_child = children.any(-1)  # [B]
+    first_child = children.long().argmax(-1) + 1  # [B] its first child's block index
+    nodes = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [B, D]: accepted node blocks, then a slot
+    nodes.scatter_(1, result.num_accepted[:, None], first_child[:, None])
+    chain = (nodes - 1).clamp(min=0)  # [B, D] node indices
+    drafted = result.num_accepted + has_child.long()
+    # chain node i follows path[i]: the target's distribution there is what it was verified against
+    logits = step.target_logits.gather(1, path[..., None].expand(-1, -1, step.target_logits.shape[-1]))
+    q = None if step.q is None else step.q.gather(1, chain[..., None].expand(-1, -1, step.q.shape[-1]))
+    chained = type(result)(tokens=result.tokens[:, :depth], num_accepted=result.num_accepted)
+    return StepRecord(step.draft_tokens.gather(1, chain), q, drafted, logits, chained, step.num_generated, step.active)
 
 
 def build_analysis(

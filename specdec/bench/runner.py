@@ -57,8 +57,7 @@ class BenchConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     repeats: int = 1
     draft_model: str | None = None
-    eagle_head: str | None = None  # folder of a trained EAGLE head (the eagle drafter needs one)
-    medusa_heads: str | None = None  # folder of trained Medusa heads (the medusa drafter needs one)
+    drafter_extra: dict = field(default_factory=dict)  # DrafterOptions.extra: eagle_path, medusa_path, layers, window...
     dtype: str = "auto"
     device: str = "auto"
     chat: bool = True
@@ -84,14 +83,10 @@ class BenchConfig:
         bad_peers = [p for p in self.peers if p not in PEERS]
         if bad_peers:
             raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)}")
-        if ("draft_model" in self.drafters or "hf-assisted" in self.peers) and self.draft_model is None:
-            raise UserError("the draft_model drafter and the hf-assisted peer need --draft-model")
+        if "hf-assisted" in self.peers and self.draft_model is None:
+            raise UserError("the hf-assisted peer needs --draft-model")
         if "hf-assisted" in self.peers and self.draft_model is not None and is_shared_draft(self.draft_model):
             raise UserError("the hf-assisted peer cannot load a draft that borrows the target's embeddings (`specdec train draft`)")
-        if "eagle" in self.drafters and self.eagle_head is None:
-            raise UserError("the eagle drafter needs --eagle-head PATH (a folder written by `specdec train eagle`)")
-        if "medusa" in self.drafters and self.medusa_heads is None:
-            raise UserError("the medusa drafter needs --medusa-heads PATH (a folder written by `specdec train medusa`)")
 
 
 @dataclass(frozen=True)
@@ -154,9 +149,8 @@ class Runner:
         self.draft = None
         if config.draft_model is not None:
             self.draft = load_draft(config.draft_model, self.target)  # a shared-embedding draft borrows the target's
-        paths = {"eagle_path": config.eagle_head, "medusa_path": config.medusa_heads}
         options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-                                 extra={k: v for k, v in paths.items() if v is not None})
+                                 extra=config.drafter_extra)
         self.engines = {m.name: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
         self.hf = None
         if any(m.family.startswith("hf") for m in methods):
