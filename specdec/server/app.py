@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP API over a Scheduler (FastAPI; imported only by the server commands).
+
+Endpoints: POST /v1/completions and /v1/chat/completions (with `stream: true`: server-sent events in
+OpenAI's chunk format, then `data: [DONE]`; `stream_options.include_usage` adds a usage chunk),
+GET /v1/models, GET /health, GET /metrics (Prometheus text) and, with admin on, POST
+/admin/spec-policy (switch the speculation policy of the running server). With an API key every
+path but /health needs `Authorization: Bearer KEY` (compared in constant time).
+
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad JSON or a request
+this server cannot serve (unknown model, prompt + max_tokens over the context, n > 1, logprobs),
+422 a field of the wrong type or out of range (max_tokens < 1, temperature < 0, top_p outside
+(0, 1]), 413 a body over the size limit, 401 a bad key, 429 a full queue, 503 shutting down, 500 a
+request that failed while generating (the server goes on serving the others). Usage carries the
+request's speculation counters: usage.speculation = {steps, drafted, accepted, acceptance_rate,
+mean_accepted_length}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specdec.config import SamplingParams
+from specdec.errors import UserError
+from specdec.server.policy import BatchCosts, SpecPolicy
+from specdec.server.scheduler import Event, GenerationRequest, QueueFull, Scheduler, ShuttingDown
+
+OPEN_PATHS = ("/health",)
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    model_name: str
+    device: str = "cpu"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 256  # when a request gives none (capped by the context left)
+    admin: bool = False
+    costs: BatchCosts | None = None  # measured forward times, for switching to the `cost` policy
+    drain_s: float = 0.0  # at shutdown, after uvicorn's own wait: seconds left for in-flight requests
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+    body = {"error": {"message": message, "type": kind.get(status, "invalid_request_error"), "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# ---- request bodies -----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, presence_penalty, ...) are ignored
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM: 0 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    logprobs: bool | int | None = None
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[str] | list[int]
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatBody(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class PolicyBody(BaseModel):
+    policy: str
+    threshold: int | None = None
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+
+def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.stop, settings.drain_s)
+
+    app = FastAPI(title="specdec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    started = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+        return validation_response(e.errors())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        ids = completion_prompt_ids(scheduler, body.prompt)
+        return await generate(scheduler, settings, request, body, ids, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request):
+        messages = [{"role": m.role, "content": message_text(m)} for m in body.messages]
+        try:
+            ids = scheduler.codec.encode_chat(messages)
+        except Exception as e:  # a chat template refusing the roles or their order
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from e
+        return await generate(scheduler, settings, request, body, ids, body.max_completion_tokens or body.max_tokens,
+                              chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": settings.model_name, "object": "model", "created": started, "owned_by": "specdec",
+                "max_model_len": scheduler.config.context}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        status = "draining" if scheduler.draining else "ok"
+        body = {"status": status, "model": settings.model_name, "device": settings.device,
+                "drafter": scheduler.drafter.name, "gamma": scheduler.policy.gamma,
+                "policy": scheduler.policy.name, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=503 if scheduler.draining else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = scheduler.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.policy.name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    if settings.admin:
+        @app.post("/admin/spec-policy")
+        async def switch_policy(body: PolicyBody):
+            old = scheduler.policy
+            threshold = old.threshold if body.threshold is None else body.threshold
+            try:
+                scheduler.policy = SpecPolicy(body.policy, old.gamma, threshold, settings.costs)
+            except UserError as e:
+                raise ApiError(400, str(e), "policy") from e
+            return scheduler.policy.describe()
+
+    return app
+
+
+def validation_response(errors: list[dict]) -> JSONResponse:
+    """400 for a body that is not JSON, 422 naming each field that is wrong."""
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "")
+            return error_response(400, f"the body is not valid JSON: {reason}".rstrip(": "), code="invalid_json")
+    parts = []
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+    first = errors[0].get("loc", ()) if errors else ()
+    param = ".".join(str(x) for x in first if x != "body") or None
+    return error_response(422, "; ".join(parts), param, "invalid_value")
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    if any(part.type != "text" for part in message.content):
+        raise ApiError(400, "only text content parts are supported", "messages")
+    return "".join(part.text or "" for part in message.content)
+
+
+def completion_prompt_ids(scheduler: Scheduler, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+        vocab = scheduler.target.config.vocab_size
+        if not all(0 <= x < vocab for x in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, f"one prompt per request, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if not prompt.strip():
+        raise ApiError(400, "the prompt is empty", "prompt")
+    return scheduler.codec.encode_text(prompt)
+
+
+def sampling_params(body: SamplingFields) -> SamplingParams:
+    return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                          top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+
+
+def check_request(body: SamplingFields, settings: AppSettings, context: int, prompt_len: int,
+                  max_tokens: int | None) -> int:
+    """The request's max_tokens, after the checks only the server can make (400 on failure)."""
+    if body.model is not None and body.model != settings.model_name:
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves {settings.model_name!r}",
+                       "model", "model_not_found")
+    if body.n != 1:
+        raise ApiError(400, "n must be 1 (one choice per request)", "n")
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    if prompt_len == 0:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    if prompt_len >= context:
+        raise ApiError(400, f"the prompt has {prompt_len} tokens; the context is {context}", "prompt",
+                       "context_length_exceeded")
+    if max_tokens is None:
+        return min(settings.default_max_tokens, context - prompt_len)
+    if prompt_len + max_tokens > context:
+        raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {prompt_len} tokens exceed the context of "
+                       f"{context} tokens", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+async def generate(scheduler: Scheduler, settings: AppSettings, request: Request, body: SamplingFields,
+                   ids: list[int], max_tokens: int | None, chat: bool):
+    max_tokens = check_request(body, settings, scheduler.config.context, len(ids), max_tokens)
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    sampling = sampling_params(body)  # fields already range-checked by the body model
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    job = GenerationRequest(ids, max_tokens, sampling, stop, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    try:
+        scheduler.submit(job)
+    except QueueFull as e:
+        raise ApiError(429, str(e), code="queue_full") from e
+    except ShuttingDown as e:
+        raise ApiError(503, str(e), code="shutting_down") from e
+    reply = Reply(chat, settings.model_name)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStream(stream_events(events, reply, include_usage), on_close=lambda: scheduler.cancel(job))
+    try:
+        text, last = "", None
+        while last is None or not last.final:
+            last = await next_event(events, request)
+            if last is None:  # the client went away
+                return error_response(499, "client closed the request")
+            text += last.text
+    finally:
+        scheduler.cancel(job)  # a no-op once the request is done
+    if last.error is not None:
+        return error_response(500, last.error, code="generation_failed")
+    return reply.complete(text, last)
+
+
+async def next_event(events: asyncio.Queue, request: Request) -> Event | None:
+    """The next event, or None once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            if await request.is_disconnected():
+                return None
+
+
+@dataclass
+class Reply:
+    """OpenAI response bodies of one request (text completion or chat)."""
+
+    chat: bool
+    model: str
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def complete(self, text: str, last: Event) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return {**self.envelope([choice], chunk=False), "usage": last.usage}
+
+    def chunk(self, text: str | None, finish_reason: str | None, first: bool) -> dict:
+        if self.chat:
+            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return self.envelope([choice], chunk=True)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def stream_events(events: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    first = True
+    while True:
+        event: Event = await events.get()
+        if event.error is not None:
+            yield sse({"error": {"message": event.error, "type": "server_error", "param": None, "code": "generation_failed"}})
+            break
+        if event.text or (first and reply.chat):
+            yield sse(reply.chunk(event.text, None, first))
+            first = False
+        if event.final:
+            yield sse(reply.chunk(None, event.finish_reason, first))
+            if include_usage:
+                yield sse({**reply.envelope([], chunk=True), "usage": event.usage})
+            break
+    yield sse("[DONE]")
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that call on_close however the response ends (done, client gone, error)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class Guard:
+    """ASGI middleware: the API key (Bearer, constant-time comparison) and the body size limit (413),
+    checked before the app reads anything. The body is read here and replayed to the app."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        guarded = self.expected is not None and scope["path"] not in OPEN_PATHS
+        if guarded and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await error_response(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                        code="invalid_api_key")(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_big = error_response(413, f"the body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await too_big(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                return await too_big(scope, receive, send)
+        body = b"".join(chunks)
+
+        async def replay() -> dict:
+            nonlocal body
+            if body is not None:
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,179 @@
+"""Arguments and entry points of `specdec serve` and `specdec bench-serve` (wired into specdec/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from specdec.errors import UserError
+
+SERVE_EXTRA = "pip install 'specdec[serve]'"
+
+
+def add_server_commands(sub) -> None:
+    from specdec.cli import add_model_args, csv
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and load-aware speculation")
+    add_model_args(s)
+    add_speculation_args(s)
+    s.add_argument("--spec-policy", default="cost", help="off, on, batch-threshold or cost (default)")
+    s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
+    s.add_argument("--max-queue", type=int, default=256, help="most requests waiting for the batch; beyond: HTTP 429")
+    s.add_argument("--context", type=int, default=None, help="tokens per request, prompt + max_tokens (default: the model's, at most 2048)")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that gives none")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY; none: open)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
+    s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
+    s.add_argument("--log-level", default="info", help="uvicorn log level")
+
+    b = sub.add_parser("bench-serve", help="load-test the server: throughput and latency per policy and concurrency")
+    add_model_args(b)
+    add_speculation_args(b)
+    b.add_argument("--url", default=None, help="bench a running server (started with --enable-admin) instead of starting one")
+    b.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="for --url (default: $SPECDEC_API_KEY)")
+    b.add_argument("--task", default="gsm8k-eval", help="short, gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
+    b.add_argument("--limit", type=int, default=100, help="first N prompts of the task set")
+    b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32), help="comma-separated client counts")
+    b.add_argument("--policies", type=csv(str), default=("off", "on", "batch-threshold", "cost"), help="comma-separated policies")
+    b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(8, 4 x concurrency))")
+    b.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest concurrency)")
+    b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
+    b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
+    b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
+    b.add_argument("--json", action="store_true", help="print the results document instead of the table")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="ngram", help="none or ngram (stateless drafters; rows join and leave freely)")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per step (`on`, `batch-threshold`); the most `cost` tries")
+    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--spec-threshold", type=int, default=4, help="batch-threshold: speculate while running requests <= N")
+
+
+def require_serve_extra() -> None:
+    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"the server needs {', '.join(missing)}: {SERVE_EXTRA}")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    from specdec.server.policy import check_policy
+    from specdec.server.scheduler import SERVER_DRAFTERS
+
+    if args.drafter not in SERVER_DRAFTERS:
+        raise UserError(f"the server supports the drafters {', '.join(SERVER_DRAFTERS)}, not {args.drafter!r}")
+    check_policy(args.spec_policy, args.gamma, args.spec_threshold)
+    for name in ("max_batch", "default_max_tokens", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    check_serve_args(args)
+    import uvicorn
+
+    from specdec.drafters import DrafterOptions, build_drafter
+    from specdec.models import load_model
+    from specdec.models.llama import LlamaModel
+    from specdec.server.app import AppSettings, create_app
+    from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
+    from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
+
+    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    if not isinstance(target, LlamaModel):
+        raise UserError(f"{args.model}: the server batches the native Llama-family implementation only")
+    if target.tokenizer is None:
+        raise UserError(f"{args.model} has no tokenizer files: the server needs one")
+    context = args.context or min(target.max_context, 2048)
+    if not 1 < context <= target.max_context:
+        raise UserError(f"--context must be in 2..{target.max_context} (the model's), got {context}")
+    costs = None
+    if args.spec_policy == "cost" or args.enable_admin:
+        print("specdec: measuring target forward times per batch size and draft length (once) ...", file=sys.stderr, flush=True)
+        costs = measure_batch_costs(target, *cost_grid(args.max_batch, args.gamma))
+    policy = SpecPolicy(args.spec_policy, args.gamma, args.spec_threshold, costs)
+    drafter = build_drafter(args.drafter, target, DrafterOptions(ngram_max=args.ngram_max, ngram_min=args.ngram_min))
+    config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context)
+    scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config)
+    device = describe_device(target)
+    settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,
+                           max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                           admin=args.enable_admin, costs=costs)
+    print(f"specdec: serving {settings.model_name} on http://{args.host}:{args.port}/v1 ({device}; drafter {args.drafter}, "
+          f"gamma {args.gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}"
+          f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=args.host, port=args.port,
+                                           log_level=args.log_level, access_log=False,
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server.run()
+    return 0
+
+
+def describe_device(target) -> str:
+    import torch
+
+    p = next(target.parameters())
+    name = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    return f"{p.device} ({name}), {str(p.dtype).removeprefix('torch.')}"
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    from specdec.server.bench import LoadPlan, format_table, hardware, local_server, prompts_for, run_load, write_report
+    from specdec.server.policy import check_policy
+
+    if not args.concurrency or min(args.concurrency) < 1:
+        raise UserError("--concurrency needs positive client counts, e.g. 1,2,4")
+    if not args.policies:
+        raise UserError("--policies needs at least one of off, on, batch-threshold, cost")
+    for policy in args.policies:
+        check_policy(policy, args.gamma, args.spec_threshold)
+    if args.requests is not None and args.requests < 1 or args.max_tokens < 1:
+        raise UserError("--requests and --max-tokens must be >= 1")
+    prompts = prompts_for(args.task, args.limit)
+    plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, args.temperature,
+                    args.spec_threshold)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan)
+    else:
+        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                       "--drafter", args.drafter, "--gamma", str(args.gamma), "--ngram-max", str(args.ngram_max),
+                       "--ngram-min", str(args.ngram_min), "--spec-policy", args.policies[0],
+                       "--spec-threshold", str(args.spec_threshold),
+                       "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
+                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning"]
+        if args.threads:
+            server_args += ["--threads", str(args.threads)]
+        print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
+        with local_server(server_args, out / "server.log", args.startup_timeout) as (url, key):
+            health, levels = run_load(url, key, prompts, plan)
+    config = {"model": health.get("model"), "url": args.url, "drafter": health.get("drafter"),
+              "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": list(args.concurrency),
+              "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency]}
+    files = write_report(out, config, hardware(health), levels)
+    lost = sum(lv.lost for lv in levels)
+    if args.json:
+        print(files[0].read_text())
+    else:
+        print(format_table(levels))
+        print(f"\n{sum(lv.requests for lv in levels)} requests, {lost} lost or malformed; wrote {', '.join(map(str, files))}")
+    return 1 if lost else 0

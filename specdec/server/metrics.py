@@ -1,0 +1,186 @@
+"""Server metrics in the Prometheus text exposition format (0.0.4), without a client library.
+
+Names follow DESIGN.md: drafted / accepted draft tokens, acceptance per draft position (1-based
+`position` label), steps = batched target verification forwards. Inter-token latency is per output
+token: a step that hands a request n tokens after a gap of g seconds records g / n, n times (so
+speculation shows up as shorter inter-token latency). Time to first token runs from the request's
+arrival at the server to its first token. Updated from the decode thread, read from the event loop:
+one lock guards everything.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+RATE_WINDOW_S = 10.0
+REQUEST_STATUSES = ("finished", "cancelled", "failed", "rejected")
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, the last one is +Inf; not cumulative
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.buckets, value)] += times
+        self.total += value * times
+        self.count += times
+
+    def render(self, name: str, about: str) -> list[str]:
+        lines = [f"# HELP {name} {about}", f"# TYPE {name} histogram"]
+        running = 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            running += n
+            lines.append(f'{name}_bucket{{le="{bound}"}} {running}')
+        return lines + [f"{name}_sum {self.total:.6f}", f"{name}_count {self.count}"]
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = {status: 0 for status in REQUEST_STATUSES}
+        self.prompt_tokens = self.generation_tokens = 0
+        self.steps = self.drafted = self.accepted = 0
+        self.drafted_per_position: list[int] = []
+        self.accepted_per_position: list[int] = []
+        self.gamma = 0  # chosen for the last step
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens emitted) for tokens/s
+        self.started = time.monotonic()
+
+    def count_request(self, status: str) -> None:
+        with self.lock:
+            self.requests[status] += 1
+
+    def count_prompt(self, tokens: int) -> None:
+        with self.lock:
+            self.prompt_tokens += tokens
+
+    def observe_tokens(self, n: int, gap_s: float | None, first: bool, arrival_gap_s: float) -> None:
+        """n tokens handed to one request; gap_s since its previous tokens (None for the first)."""
+        with self.lock:
+            self.generation_tokens += n
+            self.recent.append((time.monotonic(), n))
+            self.forget_old_tokens()
+            if first:
+                self.ttft.observe(arrival_gap_s)
+            elif n and gap_s is not None:
+                self.itl.observe(gap_s / n, n)
+
+    def observe_step(self, batch_size: int, gamma: int, drafted: list[int], accepted: list[int]) -> None:
+        with self.lock:
+            self.steps += 1
+            self.gamma = gamma
+            self.batch_size.observe(batch_size)
+            for d, a in zip(drafted, accepted):
+                self.drafted += d
+                self.accepted += a
+                grow = d - len(self.drafted_per_position)
+                if grow > 0:
+                    self.drafted_per_position += [0] * grow
+                    self.accepted_per_position += [0] * grow
+                for i in range(d):
+                    self.drafted_per_position[i] += 1
+                for i in range(a):
+                    self.accepted_per_position[i] += 1
+
+    def observe_latency(self, seconds: float) -> None:
+        with self.lock:
+            self.latency.observe(seconds)
+
+    def forget_old_tokens(self) -> None:
+        horizon = time.monotonic() - RATE_WINDOW_S
+        while self.recent and self.recent[0][0] < horizon:
+            self.recent.popleft()
+
+    def tokens_per_s(self) -> float:
+        """Tokens emitted over the last RATE_WINDOW_S seconds (or since start, if sooner); call under the lock."""
+        self.forget_old_tokens()
+        window = min(RATE_WINDOW_S, time.monotonic() - self.started)
+        return sum(n for _, n in self.recent) / window if window > 0 else 0.0
+
+    def render(self, running: int, waiting: int, policy: str) -> str:
+        with self.lock:
+            acceptance = self.accepted / self.drafted if self.drafted else 0.0
+            lines = [
+                "# HELP specdec_requests_total Requests by outcome (rejected: queue full or shutting down).",
+                "# TYPE specdec_requests_total counter",
+                *(f'specdec_requests_total{{status="{s}"}} {n}' for s, n in self.requests.items()),
+                *counter("specdec_prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens),
+                *counter("specdec_generation_tokens_total", "Tokens generated (emitted to requests).",
+                         self.generation_tokens),
+                *counter("specdec_steps_total", "Batched target verification forwards (decode steps).", self.steps),
+                *counter("specdec_drafted_tokens_total", "Draft tokens proposed.", self.drafted),
+                *counter("specdec_accepted_tokens_total", "Draft tokens accepted by the verifier.", self.accepted),
+                "# HELP specdec_drafted_per_position_total Draft tokens proposed at each draft position (1-based).",
+                "# TYPE specdec_drafted_per_position_total counter",
+                *per_position("specdec_drafted_per_position_total", self.drafted_per_position),
+                "# HELP specdec_accepted_per_position_total Draft tokens accepted at each draft position (1-based).",
+                "# TYPE specdec_accepted_per_position_total counter",
+                *per_position("specdec_accepted_per_position_total", self.accepted_per_position),
+                *gauge("specdec_acceptance_rate", "accepted / drafted since start.", acceptance),
+                *gauge("specdec_requests_running", "Requests in the running batch.", running),
+                *gauge("specdec_requests_waiting", "Requests queued for the batch.", waiting),
+                *gauge("specdec_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
+                       self.tokens_per_s()),
+                *gauge("specdec_spec_gamma", "Draft tokens per row chosen for the last step.", self.gamma),
+                "# HELP specdec_spec_policy_info The speculation policy in force.",
+                "# TYPE specdec_spec_policy_info gauge",
+                f'specdec_spec_policy_info{{policy="{policy}"}} 1',
+                *self.ttft.render("specdec_time_to_first_token_seconds", "Arrival to first token."),
+                *self.itl.render("specdec_inter_token_latency_seconds", "Seconds per output token after the first."),
+                *self.latency.render("specdec_request_latency_seconds", "Arrival to last token of finished requests."),
+                *self.batch_size.render("specdec_batch_size", "Rows in the batch at each step."),
+            ]
+        rss = resident_memory_bytes()
+        if rss is not None:
+            lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
+        return "\n".join(lines) + "\n"
+
+
+def counter(name: str, about: str, value: float) -> list[str]:
+    return [f"# HELP {name} {about}", f"# TYPE {name} counter", f"{name} {value}"]
+
+
+def per_position(name: str, counts: list[int]) -> list[str]:
+    return [f'{name}{{position="{i + 1}"}} {n}' for i, n in enumerate(counts)]
+
+
+def gauge(name: str, about: str, value: float) -> list[str]:
+    return [f"# HELP {name} {about}", f"# TYPE {name} gauge", f"{name} {value}"]
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident set size (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """{'name{labels}': value} from Prometheus text (comments skipped): for tests and bench-serve."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

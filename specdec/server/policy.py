@@ -1,0 +1,177 @@
+"""Load-aware speculation: how many draft tokens the running batch verifies in the next step.
+
+Speculation spends spare compute on one user's latency. At batch size 1 a decode forward is bound by
+reading the weights, so verifying k tokens costs little more than one; as the batch fills the forward
+becomes compute-bound and every rejected draft token is work taken from other requests. Policies:
+
+- `off`: gamma 0 (plain decoding of the batch);
+- `on`: the configured gamma at every batch size;
+- `batch-threshold`: gamma while at most `threshold` requests run, 0 above (vLLM's
+  `speculative_disable_by_batch_size`);
+- `cost`: each step, the gamma in 0..gamma_max that maximises expected tokens per second of the batch,
+      sum_b E_b(g) / (T(B, g + 1) + g > 0 ? B * d : 0),
+  where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py),
+  T(B, k) the measured seconds of one target forward over k tokens per row at batch size B
+  (interpolated between measured batch sizes and k) and d the measured draft seconds per row-step.
+  alpha_bj blends the row's own acceptance with a server-wide running estimate. Gamma 0 wins when
+  speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
+  so E_b reflects what the drafter really delivers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.adaptive import expected_tokens
+from specdec.analysis.speedup import interpolate, synchronize
+from specdec.errors import UserError
+
+SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
+MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Acceptance:
+    """Per-position conditional acceptance counts: offered[j] = steps where draft slot j was reached
+    (every earlier draft accepted), accepted[j] = those where draft j was accepted too."""
+
+    offered: list[float]
+    accepted: list[float]
+
+    @classmethod
+    def empty(cls, positions: int) -> "Acceptance":
+        return cls([0.0] * positions, [0.0] * positions)
+
+    def observe(self, budget: int, num_accepted: int) -> None:
+        """A step that allowed `budget` drafts and kept `num_accepted` (undrafted slots are rejections)."""
+        for j in range(min(budget, len(self.offered), num_accepted + 1)):
+            self.offered[j] += 1
+            self.accepted[j] += j < num_accepted
+
+    def decay(self, factor: float) -> None:
+        self.offered = [x * factor for x in self.offered]
+        self.accepted = [x * factor for x in self.accepted]
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """alpha_j: these counts with `weight` pseudo-observations at the prior's rates."""
+        return [(a + weight * p) / (o + weight) for a, o, p in zip(self.accepted, self.offered, prior)]
+
+
+@dataclass
+class BatchCosts:
+    """Seconds of one target forward over k new tokens per row at batch size B (measured grid)."""
+
+    seconds: dict[int, dict[int, float]]  # B -> k -> seconds
+
+    def forward_s(self, batch: int, k: int) -> float:
+        sizes = sorted(self.seconds)
+        if batch <= sizes[0]:
+            return interpolate(self.seconds[sizes[0]], k)
+        for lo, hi in zip(sizes, sizes[1:]):
+            if batch <= hi:
+                w = (batch - lo) / (hi - lo)
+                return interpolate(self.seconds[lo], k) * (1 - w) + interpolate(self.seconds[hi], k) * w
+        top = sizes[-1]  # beyond the grid: time grows with the rows
+        return interpolate(self.seconds[top], k) * batch / top
+
+    def to_dict(self) -> dict:
+        return {str(b): {str(k): t for k, t in ks.items()} for b, ks in self.seconds.items()}
+
+
+def measure_batch_costs(target, batch_sizes: list[int], ks: list[int], context: int = 128, repeats: int = 3) -> BatchCosts:
+    """Median forward seconds over k tokens per row after a `context`-token prefix, per batch size.
+    The prefix is prefilled once and copied to every row; ks interleave within each repeat."""
+    device = next(target.parameters()).device
+    vocab = target.config.vocab_size
+    prefix = (torch.arange(context, device=device) * 7919 + 11) % vocab  # [S] arbitrary real token ids
+    one = target.new_cache(1, context + max(ks) + 1)
+    target(prefix[None], torch.arange(context, device=device)[None], one)
+    seconds: dict[int, dict[int, float]] = {}
+    for B in batch_sizes:
+        cache = target.new_cache(B, context + max(ks) + 1)
+        cache.k[:, :, :, :context] = one.k[:, :1, :, :context]
+        cache.v[:, :, :, :context] = one.v[:, :1, :, :context]
+        start = torch.full((B,), context, device=device)
+        samples: dict[int, list[float]] = {k: [] for k in ks}
+        for rep in range(repeats + 1):
+            for k in ks:
+                cache.lengths.copy_(start)
+                block = prefix[:k].expand(B, k)  # [B, k]
+                synchronize(device)
+                t = time.perf_counter()
+                target(block, start[:, None] + torch.arange(k, device=device), cache)
+                synchronize(device)
+                if rep > 0:  # the first round warms up
+                    samples[k].append(time.perf_counter() - t)
+        seconds[B] = {k: statistics.median(v) for k, v in samples.items()}
+    return BatchCosts(seconds)
+
+
+def cost_grid(max_batch: int, gamma_max: int) -> tuple[list[int], list[int]]:
+    """(batch sizes, tokens per row) to measure: powers of two up to max_batch, k in 1..gamma_max+1."""
+    sizes = sorted({b for b in MEASURED_BATCH_SIZES if b <= max_batch} | {max_batch})
+    ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k <= gamma_max + 1} | {gamma_max + 1})
+    return sizes, ks
+
+
+@dataclass
+class SpecPolicy:
+    name: str
+    gamma: int  # drafts per step for `on` / `batch-threshold`; the most `cost` tries
+    threshold: int = 4  # `batch-threshold`: speculate while running requests <= threshold
+    costs: BatchCosts | None = None  # `cost`
+    prior_weight: float = 4.0  # pseudo-observations of the server-wide rate in a row's estimate
+    decay: float = 0.98  # per step: the server-wide estimate follows the recent traffic
+    overall: Acceptance = field(init=False)
+    draft_s_per_row: float = 0.0  # running mean of drafter seconds per row-step
+    draft_samples: int = 0
+
+    def __post_init__(self) -> None:
+        check_policy(self.name, self.gamma, self.threshold)
+        if self.name == "cost" and self.costs is None:
+            raise UserError("the cost policy needs measured forward times (BatchCosts)")
+        self.overall = Acceptance.empty(self.gamma)
+
+    def choose(self, rows: list[Acceptance]) -> int:
+        """Gamma for the next step of a batch whose rows have these acceptance counts."""
+        if self.name == "off":
+            return 0
+        if self.name == "on" or (self.name == "batch-threshold" and len(rows) <= self.threshold):
+            return self.gamma
+        if self.name == "batch-threshold":
+            return 0
+        prior = self.overall.rates([0.5] * self.gamma, 2.0)
+        alphas = [row.rates(prior, self.prior_weight) for row in rows]
+        return max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+
+    def tokens_per_s(self, alphas: list[list[float]], g: int) -> float:
+        B = len(alphas)
+        seconds = self.costs.forward_s(B, g + 1) + (B * self.draft_s_per_row if g else 0.0)
+        return sum(expected_tokens(a, g) for a in alphas) / seconds
+
+    def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float) -> None:
+        self.overall.decay(self.decay)
+        for budget, n in zip(budgets, accepted):
+            self.overall.observe(budget, n)
+        if any(budgets):
+            self.draft_samples += 1
+            self.draft_s_per_row += (draft_s / len(budgets) - self.draft_s_per_row) / min(self.draft_samples, 100)
+
+    def describe(self) -> dict:
+        out = {"policy": self.name, "gamma": self.gamma, "threshold": self.threshold}
+        if self.costs is not None:
+            out["forward_seconds"] = self.costs.to_dict()
+        return out
+
+
+def check_policy(name: str, gamma: int, threshold: int) -> None:
+    if name not in SPEC_POLICIES:
+        raise UserError(f"unknown speculation policy {name!r}; choose from {', '.join(SPEC_POLICIES)}")
+    if gamma < 1:
+        raise UserError(f"gamma must be >= 1, got {gamma}")
+    if threshold < 0:
+        raise UserError(f"the batch threshold must be >= 0, got {threshold}")

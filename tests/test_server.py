@@ -1,0 +1,433 @@
+"""`specdec serve`: the OpenAI-compatible API on loopback over a tiny random model, continuous batching,
+validation, back-pressure, cancellation, failure isolation, metrics, shutdown, and the load generator."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from conftest import DEVICE, tiny_folder_with_tokenizer
+from specdec import SpecConfig, SpecEngine
+from specdec.drafters import build_drafter
+from specdec.server.app import AppSettings, create_app
+from specdec.server.metrics import parse_metrics
+from specdec.server.policy import Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+PROMPTS = ["the cat sat on the mat", "1 + 2 = 3 , 2 + 3 = 5 , 3 + 4 =", "The Cat sat on",
+           "w1 w2 w3 w1 w2 w3 w1", "( 4 * 5 ) / 2 = ?", "cat cat cat the the"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from specdec.models import load_model
+
+    folder = tiny_folder_with_tokenizer(tmp_path_factory.mktemp("server"))
+    return load_model(str(folder), dtype="float32", device=DEVICE)
+
+
+def make_scheduler(model, policy: str = "on", drafter=None, costs: BatchCosts | None = None, max_batch: int = 4,
+                   max_queue: int = 16) -> Scheduler:
+    return Scheduler(model, drafter or build_drafter("ngram", model), Codec(model.tokenizer),
+                     SpecPolicy(policy, gamma=3, threshold=2, costs=costs),
+                     SchedulerConfig(max_batch=max_batch, max_queue=max_queue, context=256))
+
+
+@contextmanager
+def serving(scheduler: Scheduler, **settings):
+    """The app on a free loopback port, in a uvicorn thread: yields (base url, uvicorn server)."""
+    import uvicorn
+
+    app = create_app(scheduler, AppSettings(model_name=MODEL, api_key=KEY, max_body_bytes=4096, **settings))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    scheduler = make_scheduler(model)
+    with serving(scheduler) as (url, _):
+        yield url, scheduler
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=AUTH, timeout=60, **kw)
+
+
+def metrics(url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(url + "/metrics", headers=AUTH, timeout=10).text)
+
+
+def wait_until(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def reference_text(model, prompt: str, max_tokens: int) -> str:
+    """Plain greedy decoding of one prompt through SpecEngine (drafter none)."""
+    ids = model.tokenizer(prompt)["input_ids"]
+    return SpecEngine(model, "none").generate([ids], SpecConfig(max_new_tokens=max_tokens)).rows[0].text
+
+
+# ---- the OpenAI client ---------------------------------------------------------------------------
+
+
+def test_openai_client_completes_and_streams(server):
+    from openai import OpenAI
+
+    url, _ = server
+    client = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=12, temperature=0)
+    text = chat.choices[0].message.content
+    assert chat.object == "chat.completion" and chat.choices[0].finish_reason == "length"
+    assert text and chat.usage.completion_tokens == 12
+    spec = chat.usage.model_extra["speculation"]
+    assert spec["steps"] >= 1 and spec["accepted"] <= spec["drafted"]
+    assert spec["mean_accepted_length"] == pytest.approx(12 / spec["steps"])
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0)
+    assert done.object == "text_completion" and done.usage.completion_tokens == 10
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+
+
+def test_api_key_is_required(server):
+    from openai import AuthenticationError, OpenAI
+
+    url, _ = server
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"  # open: for load balancers
+
+
+def test_sampling_with_a_seed_repeats(server):
+    url, _ = server
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "top_k": 20, "seed": 7}
+    first, second = (post(url, "/v1/completions", body).json() for _ in range(2))
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert first["usage"]["completion_tokens"] == 16
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(server):
+    url, _ = server
+    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}
+    full = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = full.split()[5]
+    assert full.find(stop) > 0
+    cut = post(url, "/v1/completions", {**body, "stop": [stop, "never"]}).json()
+    assert cut["choices"][0] == {**cut["choices"][0], "text": full[: full.find(stop)], "finish_reason": "stop"}
+    assert cut["usage"]["completion_tokens"] < 30
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stop": stop, "stream": True}, headers=AUTH) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[: full.find(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_request_done_at_its_first_token_takes_no_step(server):
+    url, _ = server
+    before = metrics(url)
+    reply = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}).json()
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 1 and reply["usage"]["speculation"]["steps"] == 1
+    after = metrics(url)
+    assert after["specdec_steps_total"] == before["specdec_steps_total"]  # the prefill gave its only token
+    finished = 'specdec_requests_total{status="finished"}'
+    assert after[finished] == before[finished] + 1
+
+
+# ---- validation and back-pressure ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "gpt-4", "prompt": "the cat"}, 400, "not served here"),
+    ({"prompt": "the cat", "max_tokens": 0}, 422, "max_tokens"),
+    ({"prompt": "the cat", "max_tokens": 100_000}, 400, "exceed the context"),
+    ({"prompt": "the cat", "temperature": -0.5}, 422, "temperature"),
+    ({"prompt": "the cat", "top_p": 0}, 422, "top_p"),
+    ({"prompt": "the cat", "top_p": 1.5}, 422, "top_p"),
+    ({"prompt": "the cat", "n": 2}, 400, "n must be 1"),
+    ({"prompt": "   "}, 400, "empty"),
+    ({"max_tokens": 4}, 422, "prompt"),
+    ({"prompt": "cat " * 2000}, 413, "exceeds 4096 bytes"),
+])
+def test_invalid_requests_get_a_clear_error(server, body, status, words):
+    url, _ = server
+    if isinstance(body, bytes):
+        response = httpx.post(url + "/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    else:
+        response = post(url, "/v1/completions", body)
+    assert response.status_code == status
+    assert words in response.json()["error"]["message"]
+
+
+def test_chat_validation(server):
+    url, _ = server
+    response = post(url, "/v1/chat/completions", {"messages": [], "max_tokens": 4})
+    assert response.status_code == 422 and "messages" in response.json()["error"]["message"]
+    response = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "the"}], "max_completion_tokens": 999})
+    assert response.status_code == 400 and "context" in response.json()["error"]["message"]
+
+
+def test_full_queue_answers_429(model):
+    scheduler = make_scheduler(model, max_batch=1, max_queue=1)
+    with serving(scheduler) as (url, _), ThreadPoolExecutor(1) as pool:
+        scheduler.pause()  # nothing is admitted: the first request waits in the queue
+        waiting = pool.submit(post, url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        wait_until(lambda: scheduler.num_waiting == 1)
+        refused = post(url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4})
+        assert refused.status_code == 429 and "queue is full" in refused.json()["error"]["message"]
+        scheduler.resume()
+        assert waiting.result().status_code == 200
+        assert metrics(url)['specdec_requests_total{status="rejected"}'] == 1
+
+
+# ---- continuous batching ---------------------------------------------------------------------
+
+
+def test_concurrent_requests_equal_single_greedy_decodes(model, server):
+    """Rows join and leave a batch of 4 mid-flight (6 requests of different lengths), with ngram
+    speculation; each text equals plain decoding of its prompt alone (float32, greedy)."""
+    url, _ = server
+    lengths = [40, 25, 33, 18, 40, 29]
+    before = metrics(url)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        replies = list(pool.map(lambda pl: post(url, "/v1/completions", {"prompt": pl[0], "max_tokens": pl[1], "temperature": 0}),
+                                zip(PROMPTS, lengths)))
+    assert [r.status_code for r in replies] == [200] * len(PROMPTS)
+    texts = [r.json()["choices"][0]["text"] for r in replies]
+    assert texts == [reference_text(model, p, n) for p, n in zip(PROMPTS, lengths)]
+    after = metrics(url)
+    steps = after["specdec_batch_size_count"] - before["specdec_batch_size_count"]
+    alone = after['specdec_batch_size_bucket{le="1"}'] - before['specdec_batch_size_bucket{le="1"}']
+    assert alone < steps  # some steps really ran several rows
+    assert after["specdec_accepted_tokens_total"] > before["specdec_accepted_tokens_total"]  # and speculation paid
+
+
+def test_disconnect_cancels_the_request_and_frees_its_row(server):
+    url, scheduler = server
+    before = metrics(url)
+    body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.Client(headers=AUTH, timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 2:
+                    break
+            scheduler.pause()  # hold the batch, so the request cannot finish before the server notices
+            assert scheduler.num_running == 1
+        # leaving the block closed the connection mid-stream
+    cancelled = 'specdec_requests_total{status="cancelled"}'
+    wait_until(lambda: metrics(url)[cancelled] == before[cancelled] + 1)
+    scheduler.resume()
+    wait_until(lambda: scheduler.num_running == 0)
+    after = metrics(url)
+    assert after["specdec_requests_running"] == 0 and int(scheduler.cache.lengths.sum()) == 0
+    assert after['specdec_requests_total{status="finished"}'] == before['specdec_requests_total{status="finished"}']
+    assert after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"] < 240
+
+
+def test_a_client_gone_before_its_turn_leaves_the_queue(server):
+    url, scheduler = server
+    cancelled = 'specdec_requests_total{status="cancelled"}'
+    before = metrics(url)
+    scheduler.pause()  # the request waits in the queue
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, headers=AUTH, timeout=0.5)
+    assert scheduler.num_waiting == 1
+    wait_until(lambda: metrics(url)[cancelled] == before[cancelled] + 1)  # non-streaming: found by polling
+    scheduler.resume()
+    wait_until(lambda: scheduler.num_waiting == 0 and scheduler.num_running == 0)
+    assert metrics(url)["specdec_generation_tokens_total"] == before["specdec_generation_tokens_total"]
+
+
+class PoisonedDrafter:
+    """ngram, except that it raises for any row whose prompt holds the token POISON."""
+
+    name = "ngram"
+
+    def __init__(self, inner, poison: int) -> None:
+        self.inner, self.poison = inner, poison
+
+    def max_tokens(self, gamma: int) -> int:
+        return gamma
+
+    def propose(self, state, k):
+        if any(self.poison in row[:n] for row, n in zip(state.tokens, state.prompt_lengths)):
+            raise RuntimeError("poisoned row")
+        return self.inner.propose(state, k)
+
+
+def test_a_failing_request_fails_alone(model):
+    poison = model.tokenizer("mat")["input_ids"][0]
+    scheduler = make_scheduler(model, drafter=PoisonedDrafter(build_drafter("ngram", model), poison))
+    with serving(scheduler) as (url, _), ThreadPoolExecutor(2) as pool:
+        scheduler.pause()  # both join the same batch
+        bad = pool.submit(post, url, "/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 20, "temperature": 0})
+        good = pool.submit(post, url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0})
+        wait_until(lambda: scheduler.num_waiting == 2)
+        scheduler.resume()
+        assert bad.result().status_code == 500 and "poisoned row" in bad.result().json()["error"]["message"]
+        assert good.result().status_code == 200
+        assert good.result().json()["choices"][0]["text"] == reference_text(model, PROMPTS[1], 20)
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+        assert metrics(url)['specdec_requests_total{status="failed"}'] == 1
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def test_metrics_counters_move(server):
+    url, _ = server
+    before = metrics(url)
+    reply = post(url, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}).json()
+    after = metrics(url)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert moved('specdec_requests_total{status="finished"}') == 1
+    assert moved("specdec_generation_tokens_total") == 20 == reply["usage"]["completion_tokens"]
+    assert moved("specdec_prompt_tokens_total") == reply["usage"]["prompt_tokens"]
+    assert moved("specdec_steps_total") == reply["usage"]["speculation"]["steps"] - 1  # prefill is not a batch step
+    assert moved("specdec_drafted_tokens_total") == reply["usage"]["speculation"]["drafted"] > 0
+    assert moved("specdec_accepted_tokens_total") == reply["usage"]["speculation"]["accepted"]
+    assert moved('specdec_drafted_per_position_total{position="1"}') > 0
+    assert moved("specdec_time_to_first_token_seconds_count") == 1
+    assert moved("specdec_inter_token_latency_seconds_count") == 19
+    assert after["specdec_requests_running"] == 0 and after["specdec_requests_waiting"] == 0
+    assert after["specdec_tokens_per_second"] > 0 and after["process_resident_memory_bytes"] > 0
+
+
+# ---- speculation policies --------------------------------------------------------------------
+
+
+def linear_costs() -> BatchCosts:
+    """Memory-bound at batch 1 (k tokens cost about one), compute-bound at 32 (cost grows with B x k)."""
+    return BatchCosts({1: {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, 32: {k: 32.0 * k for k in (1, 2, 3, 4)}})
+
+
+def rows_accepting(kept: int, n: int) -> list[Acceptance]:
+    """n rows that, offered 3 drafts a step, kept `kept` of them 100 times."""
+    row = Acceptance.empty(3)
+    for _ in range(100):
+        row.observe(3, kept)
+    return [row] * n
+
+
+def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    assert policy.choose(rows_accepting(3, 1)) == 3
+    assert policy.choose(rows_accepting(1, 1)) == 1  # the second draft is always rejected: draft one
+    assert policy.choose(rows_accepting(1, 32)) == 0  # compute-bound: a draft token costs a full token
+    assert policy.choose(rows_accepting(0, 1)) == 0  # nothing is ever accepted: drafting cannot pay
+
+
+def test_fixed_policies():
+    rows = [Acceptance.empty(3)] * 3
+    assert SpecPolicy("off", gamma=3).choose(rows) == 0
+    assert SpecPolicy("on", gamma=3).choose(rows) == 3
+    assert SpecPolicy("batch-threshold", gamma=3, threshold=3).choose(rows) == 3
+    assert SpecPolicy("batch-threshold", gamma=3, threshold=2).choose(rows) == 0
+
+
+def test_measured_costs_cover_the_grid(model):
+    costs = measure_batch_costs(model, [1, 4], [1, 3], context=16, repeats=1)
+    assert set(costs.seconds) == {1, 4} and all(set(ks) == {1, 3} for ks in costs.seconds.values())
+    assert costs.forward_s(2, 2) > 0
+
+
+# ---- shutdown, CLI and the load generator -----------------------------------------------------
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(model):
+    scheduler = make_scheduler(model)
+    with serving(scheduler) as (url, server):
+        body = {"prompt": PROMPTS[0], "max_tokens": 120, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            server.should_exit = True  # shut down mid-stream
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert not scheduler.thread.is_alive()
+
+
+def test_serve_cli_errors_are_one_line(capsys, monkeypatch):
+    import specdec.server.cli as server_cli
+    from specdec.cli import main
+
+    assert main(["serve", "--drafter", "eagle"]) == 2
+    assert "supports the drafters none, ngram" in capsys.readouterr().err
+    assert main(["serve", "--spec-policy", "sometimes"]) == 2
+    assert "unknown speculation policy" in capsys.readouterr().err
+    real = server_cli.importlib.util.find_spec
+    monkeypatch.setattr(server_cli.importlib.util, "find_spec", lambda name: None if name == "fastapi" else real(name))
+    assert main(["serve"]) == 2
+    assert "pip install 'specdec[serve]'" in capsys.readouterr().err
+
+
+def test_importing_specdec_does_not_import_the_server_stack():
+    code = "import sys, specdec, specdec.cli; specdec.cli.build_parser(); print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_bench_serve_measures_every_level(model, tmp_path):
+    from specdec.server.bench import LoadPlan, run_load, write_report
+
+    costs = measure_batch_costs(model, [1, 2], [1, 2, 3, 4], context=16, repeats=1)
+    scheduler = make_scheduler(model, policy="off", costs=costs)
+    plan = LoadPlan(concurrency=(1, 2), policies=("off", "on", "cost"), requests=3, max_tokens=8, temperature=0.0,
+                    threshold=2)
+    with serving(scheduler, admin=True, costs=costs) as (url, _):
+        health, levels = run_load(url, KEY, PROMPTS, plan)
+    assert [(lv.policy, lv.concurrency) for lv in levels] == [(p, c) for p in plan.policies for c in (1, 2)]
+    assert all(lv.ok == lv.requests == 3 and lv.completion_tokens == 24 and lv.tokens_per_s > 0 for lv in levels)
+    assert all(lv.ttft_p50_ms is not None and lv.rss_mib[-1][1] > 0 for lv in levels)
+    assert levels[0].acceptance_rate is None and levels[2].acceptance_rate is not None  # off never drafts, on does
+    config = {"model": MODEL, "drafter": "ngram", "gamma": 3, "max_tokens": 8, "temperature": 0.0, "task": "test", "threshold": 2}
+    files = write_report(tmp_path, config, {"server_device": health["device"], "cpu": "x", "cpu_cores": 1, "torch": "t"}, levels)
+    assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}
+    assert "| cost" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["levels"][5]["lost"] == 0
