@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache, write_kv
@@ -24,6 +25,11 @@ from specdec.models import fused
 from specdec.models.rope import build_rope, rope_cos_sin
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Eager forwards skip cuDNN attention: it builds an execution plan per new shape, and an eager forward
+# over a growing cache (a draft model, an EAGLE head) meets a new shape every step (measured on an
+# H200: ~100 ms a step). Graph captures (fixed shapes, inside fused.fusing()) keep it: it is fastest there.
+EAGER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CAPTURED_SDPA = [SDPBackend.CUDNN_ATTENTION, *EAGER_SDPA]
 
 
 @dataclass(frozen=True)
@@ -138,9 +144,10 @@ class Attention(nn.Module):
             k_all, v_all = kv  # [B, Hkv, S_max, Dh]
             write_kv(k_all, v_all, k, v, slots)
         span = attn_mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, H, T, Dh]
+        with sdpa_kernel(CAPTURED_SDPA if fused.FUSING[0] else EAGER_SDPA, set_priority=fused.FUSING[0]):
+            out = F.scaled_dot_product_attention(
+                q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
+            )  # [B, H, T, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
