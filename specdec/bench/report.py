@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.analysis.speedup import interpolate
 from specdec.bench.runner import PLAIN
 
 
@@ -152,19 +153,22 @@ def target_findings(results: dict) -> list[str]:
                      f"{fmt(pld['tokens_per_s']['median'], 1)} tok/s) it is {fmt(ratio)}x (target >= 1.5x: "
                      f"{'met' if ratio >= 1.5 else 'not met'}).")
     if spec and spec.get("acceptance_rate") is not None:
-        lines.append(bound_explanation(spec))
+        lines.append(bound_explanation(spec, results["calibration"]["verify_ratio"]))
     return lines
 
 
-def bound_explanation(m: dict) -> str:
-    """What limits a speculative method, from its measured alpha, tau, c and r."""
-    g, a, tau, c, r = m["gamma"], m["acceptance_rate"], m["mean_accepted_length"], m["cost_coefficient"], m["verify_ratio"]
-    cost = g * (c or 0) + (r or 1)
+def bound_explanation(m: dict, ratios: dict[str, float]) -> str:
+    """What limits a speculative method, from its measured alpha, tau, c and r at the tokens it really
+    verified per step (a tree's nodes, a chain's drafts)."""
+    a, tau, c = m["acceptance_rate"], m["mean_accepted_length"], m["cost_coefficient"] or 0
+    verified = m.get("nodes_per_step") or m["drafted_per_step"]
+    r = interpolate({int(k): v for k, v in ratios.items()}, verified + 1)
+    drafting = m["drafted_per_step"] * c
     return (f"What bounds {m['name']}: each step emits tau = {fmt(tau)} tokens (acceptance {fmt(a)}, "
-            f"{fmt(m['drafted_per_step'])} tokens drafted per step on average) but costs {fmt(cost)} plain steps "
-            f"(verify ratio r({g + 1}) = {fmt(r)}, drafting gamma*c = {fmt(g * (c or 0), 3)}); the ceiling with free "
-            f"verification (r = 1, c = 0) would be {fmt(tau)}x. Raising acceptance raises tau; "
-            f"lowering r needs cheaper multi-token forwards.")
+            f"{fmt(m['drafted_per_step'])} tokens drafted and {fmt(verified)} verified per step on average) but costs "
+            f"{fmt(drafting + r)} plain steps (verify ratio r({fmt(verified + 1, 1)}) = {fmt(r)}, drafting "
+            f"{fmt(drafting, 3)}); the ceiling with free verification (r = 1, c = 0) would be {fmt(tau)}x. "
+            f"Raising acceptance raises tau; lowering r needs cheaper multi-token forwards.")
 
 
 def estimate_findings(results: dict) -> list[str]:
