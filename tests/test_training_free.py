@@ -43,6 +43,27 @@ def test_greedy_equals_plain(deep, drafter, extra, gamma, batch):
     assert out.stats.drafted > 0
 
 
+def test_lookahead_takes_a_step_without_a_proposal():
+    """The cost policy may choose gamma 0 for an active row: the engine then verifies no draft and
+    commits a one-entry block. Lookahead must not read the previous step's window nodes then."""
+    from specdec.drafters.base import DecodeState
+    from specdec.verify import VerifyResult
+
+    V = 16
+    drafter = LookaheadDrafter(LookaheadConfig(window=3, ngram=3, guesses=2))
+    state = DecodeState(tokens=[[1, 2, 3, 1, 2]], prompt_lengths=[5], active=[True], sampling=SamplingParams(),
+                        generator=torch.Generator(), device=torch.device("cpu"), max_len=64)
+    drafter.prefill(state)
+    proposal = drafter.propose(state, 3)
+    state.target_logits = torch.randn(1, proposal.tokens.shape[1] + 1, V)  # a step that verified the tree
+    state.tokens[0].append(7)
+    drafter.commit(state, VerifyResult(tokens=torch.tensor([[7]]), num_accepted=torch.tensor([0])))
+    state.target_logits = torch.randn(1, 1, V)  # the next step proposed nothing: the pending token alone
+    state.tokens[0].append(9)
+    drafter.commit(state, VerifyResult(tokens=torch.tensor([[9]]), num_accepted=torch.tensor([0])))
+    assert drafter.propose(state, 3).tokens.shape[1] >= 1
+
+
 @pytest.mark.parametrize("policy", ["heuristic", "confidence", "cost"])
 @pytest.mark.parametrize("drafter", ["ngram", "quantized", "lookahead"])
 def test_adaptive_gamma_is_lossless(deep, policy, drafter):

@@ -122,12 +122,16 @@ class LookaheadDrafter:
         argmax = state.target_logits.argmax(-1).cpu()  # [B, T] the target's next token after each block entry
         emitted = (result.num_accepted + 1).tolist()
         for b, row in enumerate(self.rows):
-            if not state.active[b] or not row.window_nodes:
+            window_nodes, row.window_nodes = row.window_nodes, []  # this step's only: a step may skip proposing
+            if not state.active[b]:
                 continue
             tokens = state.tokens[b]
+            if not window_nodes:
+                self.index_text(row, tokens)
+                continue
             L_old = len(tokens) - emitted[b]  # tokens before this step's emission (pending at L_old - 1)
             # the next Jacobi iterate: after window prefix w_1..w_{i-1} (block 0 = the root) the target says...
-            prefixes = [0] + row.window_nodes[:-1]
+            prefixes = [0] + window_nodes[:-1]
             iterate = {L_old + i: int(argmax[b, node]) for i, node in enumerate(prefixes)}
             self.harvest(row, iterate)
             L = len(tokens)
