@@ -64,6 +64,7 @@ from specdec.models.eagle import EagleConfig, EagleHead, save_eagle_head
 from specdec.train.common import (
     CHECKPOINT,
     Checkpoint,
+    eos_ids,
     PaddedBatch,
     batch_schedule,
     command_line,
@@ -218,13 +219,6 @@ def evaluate(head: EagleHead, target, features: Features, examples: list[int], b
         positions += len(true)
     n = max(positions, 1)
     return HeldOut(agree / n, covered / n, loss_sum / n, positions)
-
-
-def eos_ids(target) -> tuple[int, ...]:
-    ids = set(target.config.eos_token_ids)
-    if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
-        ids.add(target.tokenizer.eos_token_id)
-    return tuple(sorted(ids))
 
 
 def train_eagle(target, features: Features, config: EagleTrainConfig, out: Path, resume: bool = False,

@@ -38,6 +38,7 @@ from specdec.train.common import (
     PaddedBatch,
     batch_schedule,
     command_line,
+    eos_ids,
     frequent_vocab,
     learning_rate,
     load_checkpoint,
@@ -48,7 +49,6 @@ from specdec.train.common import (
     training_features,
 )
 from specdec.train.data import Features
-from specdec.train.eagle import eos_ids
 
 LR = 1e-3  # Medusa's learning rate for heads on a frozen target
 HELD_OUT = 0.05  # fraction of examples held out for the measurements
