@@ -25,13 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdec.analysis.speedup import (  # noqa: E402
-    copy_bandwidth,
-    estimated_speedup,
-    measure_forward_times,
-    verify_ratios,
-    weight_bytes_per_forward,
-)
+from specdec.analysis.speedup import estimated_speedup  # noqa: E402
+from specdec.costs import copy_bandwidth, measure_forward_times, verify_ratios, weight_bytes_per_forward  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models.eagle import EagleConfig, EagleHead  # noqa: E402

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.analysis.speedup import interpolate
+from specdec.costs import interpolate
 from specdec.errors import UserError
 
 POLICIES = ("fixed", "heuristic", "confidence", "cost")

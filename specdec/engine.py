@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec.adaptive import CostModel, GammaPolicy
-from specdec.analysis.speedup import measure_forward_times, verify_ratios
+from specdec.costs import measure_forward_times, verify_ratios
 from specdec.config import SpecConfig
 from specdec.drafters import DecodeState, Drafter, DrafterOptions, build_drafter
 from specdec.drafters.base import empty_proposal

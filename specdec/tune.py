@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.analysis.speedup import estimated_speedup, measure_forward_times, verify_ratios
+from specdec.analysis.speedup import estimated_speedup
+from specdec.costs import measure_forward_times, verify_ratios
 from specdec.api import encode_prompt
 from specdec.bench.tasks import load_tasks
 from specdec.config import SpecConfig

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.analysis.speedup import (
-    cost_coefficient,
-    estimated_speedup,
-    estimated_speedup_from_tau,
-    expected_tokens_per_step,
-    interpolate,
-    verify_ratios,
-)
+from specdec.analysis.speedup import estimated_speedup, estimated_speedup_from_tau, expected_tokens_per_step
+from specdec.costs import cost_coefficient, interpolate, verify_ratios
 from specdec.bench.runner import Method, RunRecord, pool_per_position, quartiles, speedups, summarize
 
 

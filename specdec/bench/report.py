@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdec.analysis.speedup import interpolate
+from specdec.costs import interpolate
 from specdec.bench.runner import PLAIN
 
 

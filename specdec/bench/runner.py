@@ -19,12 +19,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
-from specdec.analysis.speedup import (
-    cost_coefficient,
-    estimated_speedup,
-    estimated_speedup_from_tau,
-    interpolate,
+from specdec.analysis.speedup import estimated_speedup, estimated_speedup_from_tau
+from specdec.costs import (
     copy_bandwidth,
+    cost_coefficient,
+    interpolate,
     measure_forward_times,
     verify_ratios,
     weight_bytes_per_forward,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.adaptive import expected_tokens
-from specdec.analysis.speedup import interpolate, synchronize
+from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
 SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
