@@ -1,4 +1,6 @@
-"""Elementwise pieces of a decoder layer, each fused into one kernel on CUDA by torch.compile.
+"""Elementwise pieces of a decoder layer, each fused into one kernel on CUDA by torch.compile: the
+library path's fusion (kernels="library"). The exact path fuses them into its Triton GEMMs instead
+(specdec/models/triton_ops.py).
 
 A decode forward of a large model on a GPU is a few big matrix-vector products and ~30 small
 elementwise kernels per layer; in a CUDA graph the small ones still cost a few microseconds each

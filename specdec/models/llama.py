@@ -7,6 +7,11 @@ New tokens are written at each row's next free cache slots; `positions` are thei
 (for a chain, slot index == position; for a tree, depth positions). `mask` says which of the last W
 slots (the new block and, for W > T, tree nodes written before it) each new token sees (None =
 causal); every new token sees the whole committed prefix before them.
+
+Kernels (specdec/models/kernels.py): each DecoderLayer's `kernels` ("exact", "library", or "auto" where
+no loader set it) says whether forwards over a cache run specdec's Triton kernels on CUDA (block- and
+batch-invariant) or the modules below (cuBLAS/SDPA; on the CPU, packed Linear layers and cpu_attention
+are the exact path).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache, write_kv
 from specdec.models.linear import Linear
-from specdec.models import fused
+from specdec.models import cpu_attention, fused, kernels
 from specdec.models.rope import build_rope, rope_cos_sin
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -144,6 +149,8 @@ class Attention(nn.Module):
             k_all, v_all = kv  # [B, Hkv, S_max, Dh]
             write_kv(k_all, v_all, k, v, slots)
         span = attn_mask.shape[-1]
+        if self.o_proj.packed is not None and cpu_attention.supports(q):  # the exact CPU path: each query on its own
+            return self.o_proj(cpu_attention.attend(q, k_all[:, :, :span], v_all[:, :, :span], attn_mask).transpose(1, 2).reshape(B, T, -1))
         with sdpa_kernel(CAPTURED_SDPA if fused.FUSING[0] else EAGER_SDPA, set_priority=fused.FUSING[0]):
             out = F.scaled_dot_product_attention(
                 q, k_all[:, :, :span], v_all[:, :, :span], attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
@@ -162,6 +169,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    kernels = "auto"  # "exact" | "library" | "auto", set by specdec.models.kernels.use_kernels
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -221,6 +230,12 @@ def run_layers(
 ) -> Tensor:
     """x [B, T, D] through decoder layers. With a cache: written at each row's next slots, attending per
     `mask` (see build_attention_mask). cache=None: causal within the block (training, no cache)."""
+    if len(layers) and cache is not None and not torch.is_grad_enabled() and kernels.runs_triton(layers[0], x.device, x.dtype):
+        if not cache.static:
+            cache.reserve(x.shape[1])  # fails loudly on overflow (a static cache's caller keeps within max_len)
+        x = kernels.run_layers_exact(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
+        cache.lengths += x.shape[1]
+        return x
     cos, sin = rope_cos_sin(positions, inv_freq, rope_attention_factor, x.dtype)
     if cache is None:
         slots, attn_mask = None, causal_mask(positions, window)
@@ -268,6 +283,7 @@ class LlamaModel(nn.Module):
     ) -> ModelOutput:
         x = self.embed_tokens(tokens)  # [B, T, D]
         x = run_layers(self.layers, x, positions, cache, mask, self.inv_freq, self.rope_attention_factor, self.config.sliding_window)
-        hidden = self.norm(x)  # [B, T, D]
+        exact = len(self.layers) > 0 and kernels.runs_triton(self.layers[0], x.device, x.dtype)
+        hidden = kernels.norm_exact(self.norm, x) if exact else self.norm(x)  # [B, T, D]
         h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
-        return ModelOutput(logits=self.lm_head(h).float(), hidden=hidden)
+        return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import UserError
 from specdec.paths import cache_root
-from specdec.models.linear import use_cpu_kernels
+from specdec.models.kernels import CHOICES as KERNEL_CHOICES, use_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
 
 DEFAULT_MODEL = "default"
@@ -54,17 +54,23 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto", backend: str = "auto"):
+def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto", backend: str = "auto",
+               kernels: str = "auto"):
     """Load `name` ("default", a folder, a .gguf file or a hub id) as a model with the specdec contract.
 
     backend: "native" (our Llama-family implementation), "hf" (the transformers adapter, batch 1),
-    or "auto" (native where the architecture is supported). The model's tokenizer is `model.tokenizer`.
+    or "auto" (native where the architecture is supported). kernels: "exact" (block- and batch-invariant
+    kernels: Triton on CUDA, specdec's C kernels on the CPU), "library" (cuBLAS/MKL + SDPA) or "auto"
+    (exact where available); see specdec/models/kernels.py, and `kernel_path(model)` for what runs.
+    The model's tokenizer is `model.tokenizer`.
     """
     if backend not in ("auto", "native", "hf"):
         raise UserError(f"unknown backend {backend!r}; choose auto, native or hf")
+    if kernels not in KERNEL_CHOICES:
+        raise UserError(f"unknown kernels {kernels!r}; choose {', '.join(KERNEL_CHOICES)}")
     dev = resolve_device(device)
     folder = resolve_folder(name)
-    return load_folder(folder, resolve_dtype(dtype, dev), dev, backend)
+    return load_folder(folder, resolve_dtype(dtype, dev), dev, backend, kernels)
 
 
 def resolve_folder(name: str) -> Path:
@@ -124,17 +130,19 @@ def gguf_to_folder(path: Path) -> Path:
     return folder
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto"):
+def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto"):
     config_dict = json.loads((folder / "config.json").read_text())
     native = config_dict.get("model_type", "llama") in SUPPORTED_MODEL_TYPES
     if backend == "native" and not native:
         raise UserError(f"model type {config_dict.get('model_type')!r} has no native implementation")
     if backend == "hf" or not native:
+        if kernels == "exact":
+            raise UserError("kernels='exact' runs native Llama-family models only; load with backend='native' or kernels='library'")
         from specdec.models.hf_adapter import load_hf_adapter
 
         model = load_hf_adapter(folder, dtype, device)
     else:
-        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device)
+        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device, kernels)
     model.tokenizer = load_tokenizer(folder)
     model.name = str(folder)
     return model
@@ -150,7 +158,8 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 kernels: str = "auto") -> LlamaModel:
     """A native model from HF-named weights (q/k/v and gate/up are fused here)."""
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -162,7 +171,7 @@ def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device).eval()
-    use_cpu_kernels(model)
+    use_kernels(model, kernels)
     return model
 
 

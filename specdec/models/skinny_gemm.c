@@ -1,28 +1,81 @@
-/* Y[M, N] = X[M, K] @ W[K, N] (+ bias) for the few rows (M <= ~16) of decoding and verification.
+/* Y[M, N] = X[M, K] @ W[K, N] (+ bias) on the CPU, with one summation order per output whatever M is.
  *
  * W is packed once into panels of NR = 16 columns: panel p holds W[:, 16p:16p+16] as K contiguous
- * rows of 16 weights, so a panel streams from memory in order and stays in cache while each chunk of
- * up to MR = 6 rows of X is multiplied by it. Every output is one sequential sum over k, done the same
- * way whatever the number of rows: a row gives bitwise the same result alone or with others (exact
- * float32 greedy equality between plain and speculative decoding depends on that).
+ * rows of 16 weights, so a panel streams from memory in order. Every output is one sequential sum
+ * over k = 0 .. K-1 (a fused multiply-add per k), done by the same micro-kernel for every chunk of up
+ * to MR = 6 rows: a row gives bitwise the same result alone, in a verify block, in a batch or in a
+ * prefill of any length (exact greedy equality between plain and speculative decoding depends on
+ * that). Nothing here splits K, and the number of rows only decides how many chunks run.
  *
- * Two weight types: float32 (skinny_gemm) and int8 with one float scale per output column
- * (skinny_gemm_i8: Y = (X @ Wq) * scale + bias), a quarter of the bytes to read.
+ * Weight types: float32, bfloat16 (converted to float32 in registers: exact, then the same
+ * arithmetic as float32) and int8 with one float scale per output column (Y = (X @ Wq) * scale + bias).
+ * Activations X and outputs Y are float32 or bfloat16 (converted on the way in, rounded to nearest
+ * even on the way out, as PyTorch rounds), always accumulated in float32.
  *
- * Built at run time by specdec/models/cpu_gemm.py with the host compiler (-O3 -march=native -fopenmp).
- * With AVX2 + FMA the micro-kernel holds its 6 x 16 accumulators in registers; otherwise portable C.
+ * Large M (prefill, big batches): panels are taken in blocks that fit in L2, and each chunk of rows
+ * (in L1) runs over the whole block, so X is read from L3 once per block instead of once per panel;
+ * a bfloat16 or int8 block is first widened to float32 in a per-thread buffer, so the conversion is
+ * paid once per block, not once per chunk. Both change where data comes from, never the order of the
+ * sums (the widening is exact). See cpu_gemm.py for the measured speed against MKL.
+ *
+ * A single row (a plain decoding step) runs through WIDE = 4 panels at once: 8 independent FMA chains
+ * instead of 2, the same arithmetic per output (about 25 % faster on one core). Threads
+ * (cpu_threads.c) take tasks of whole panels: which thread computes an output never changes how.
+ *
+ * Built at run time by specdec/models/cpu_gemm.py with the host compiler (-O3 -march=native -pthread
+ * -ffp-contract=off). With AVX2 + FMA the micro-kernels hold their accumulators in registers;
+ * otherwise portable C (multiply then add: -ffp-contract=off keeps the compiler from fusing some and
+ * not others).
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* cpu_threads.c */
+void specdec_parallel(int tasks, int threads, void (*fn)(void *ctx, int task), void *ctx);
+float *specdec_scratch(size_t n);
 
 #define NR 16
 #define MR 6
+#define WIDE 4 /* panels a single row runs through at once */
+#define L2_BLOCK_BYTES (192 * 1024) /* weights per panel block: fits a 512 KiB L2 beside X and Y */
+
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+
+/* bfloat16 panels: in each row of 16 weights, columns 4-7 and 8-11 trade places (cpu_gemm.pack lays
+ * them out so), because AVX2's unpack instructions widen 16 bfloat16 values lane by lane: positions
+ * 0-3 and 8-11 into the low 8 floats, 4-7 and 12-15 into the high 8. Two instructions per 16 weights
+ * instead of six: about 18 % faster decoding of a bfloat16 weight on one core. The portable code
+ * reads the same layout through BF16_COLUMN. */
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, NaN to the quiet NaN: PyTorch's float -> bfloat16. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+const char *specdec_isa(void) { return "avx2"; }
+
 #define LOAD_F32(w, k)                                                                                    \
     const __m256 w0 = _mm256_loadu_ps((w) + (size_t)(k) * NR), w1 = _mm256_loadu_ps((w) + (size_t)(k) * NR + 8);
+/* Interleaving zeros below each bfloat16 widens it (see the bfloat16 panel layout above). */
+#define LOAD_BF16(w, k)                                                                                   \
+    const __m256i q = _mm256_loadu_si256((const __m256i *)((w) + (size_t)(k) * NR));                      \
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), q));              \
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), q));
 #define LOAD_I8(w, k)                                                                                     \
     const __m128i q = _mm_loadu_si128((const __m128i *)((w) + (size_t)(k) * NR));                         \
     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                                        \
@@ -31,8 +84,9 @@
 /* One accumulator pair per row, as named variables (arrays would be spilled to the stack every k).
  * Output = acc * scale (when scale) + bias (when bias). */
 #define KERNEL(NAME, WTYPE, LOAD, R)                                                                      \
-    static void NAME##_##R(const float *restrict x, const WTYPE *restrict w, float *restrict y,           \
+    static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
+        const WTYPE *restrict w = wv;                                                                     \
         __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;                     \
         __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;                                      \
         for (int k = 0; k < K; k++) {                                                                     \
@@ -56,19 +110,62 @@
         _mm256_storeu_ps(y + (size_t)i * ldy, scale ? _mm256_fmadd_ps(l##i, s0, b0) : _mm256_add_ps(l##i, b0)); \
         _mm256_storeu_ps(y + (size_t)i * ldy + 8, scale ? _mm256_fmadd_ps(h##i, s1, b1) : _mm256_add_ps(h##i, b1)); \
     }
+/* One row times WIDE adjacent panels (pstride weights apart; y gets WIDE * NR outputs): for each
+ * output the same arithmetic as NAME##_1 (one FMA chain over k, then scale and bias), but 8
+ * independent chains instead of 2, so that a decoding step is not bound by the FMA latency. */
+#define KERNEL_WIDE(NAME, WTYPE, LOAD)                                                                    \
+    static void NAME##_wide(const float *restrict x, const void *restrict wv, size_t pstride, float *restrict y, \
+                            const float *restrict scale, const float *restrict bias, int K) {            \
+        const WTYPE *restrict w = wv;                                                                     \
+        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;   \
+        for (int k = 0; k < K; k++) {                                                                     \
+            const __m256 xk = _mm256_broadcast_ss(x + k);                                                 \
+            PANEL(LOAD, 0) PANEL(LOAD, 1) PANEL(LOAD, 2) PANEL(LOAD, 3)                                   \
+        }                                                                                                 \
+        STORE_PANEL(0) STORE_PANEL(1) STORE_PANEL(2) STORE_PANEL(3)                                       \
+    }
+#define PANEL(LOAD, i)                                                                                    \
+    {                                                                                                     \
+        LOAD(w + (i) * pstride, k)                                                                        \
+        l##i = _mm256_fmadd_ps(xk, w0, l##i);                                                             \
+        h##i = _mm256_fmadd_ps(xk, w1, h##i);                                                             \
+    }
+#define STORE_PANEL(i)                                                                                    \
+    {                                                                                                     \
+        const float *s = scale ? scale + (i) * NR : NULL, *b = bias ? bias + (i) * NR : NULL;            \
+        const __m256 b0 = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();                                  \
+        const __m256 b1 = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();                              \
+        _mm256_storeu_ps(y + (i) * NR, s ? _mm256_fmadd_ps(l##i, _mm256_loadu_ps(s), b0) : _mm256_add_ps(l##i, b0)); \
+        _mm256_storeu_ps(y + (i) * NR + 8, s ? _mm256_fmadd_ps(h##i, _mm256_loadu_ps(s + 8), b1) : _mm256_add_ps(h##i, b1)); \
+    }
 #else
+const char *specdec_isa(void) { return "portable"; }
+
+static const int BF16_COLUMN[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15}; /* where column j is stored */
+
+#define WEIGHT_float(w, k, j) (w)[(size_t)(k) * NR + (j)]
+#define WEIGHT_uint16_t(w, k, j) bf16_to_f32((w)[(size_t)(k) * NR + BF16_COLUMN[j]])
+#define WEIGHT_int8_t(w, k, j) ((float)(w)[(size_t)(k) * NR + (j)])
 #define KERNEL(NAME, WTYPE, LOAD, R)                                                                      \
-    static void NAME##_##R(const float *restrict x, const WTYPE *restrict w, float *restrict y,           \
+    static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
+        const WTYPE *restrict w = wv;                                                                     \
         float acc[R][NR] = {{0}};                                                                         \
         for (int k = 0; k < K; k++)                                                                       \
             for (int i = 0; i < R; i++)                                                                   \
-                for (int j = 0; j < NR; j++) acc[i][j] += x[(size_t)i * K + k] * (float)w[(size_t)k * NR + j]; \
+                for (int j = 0; j < NR; j++) acc[i][j] += x[(size_t)i * K + k] * WEIGHT_##WTYPE(w, k, j); \
         for (int i = 0; i < R; i++)                                                                       \
             for (int j = 0; j < NR; j++)                                                                  \
-                y[(size_t)i * ldy + j] = acc[i][j] * (scale ? scale[j] : 1.0f) + (bias ? bias[j] : 0.0f); \
+                y[(size_t)i * ldy + j] = scale ? acc[i][j] * scale[j] + (bias ? bias[j] : 0.0f) : acc[i][j] + (bias ? bias[j] : 0.0f); \
+    }
+#define KERNEL_WIDE(NAME, WTYPE, LOAD)                                                                    \
+    static void NAME##_wide(const float *restrict x, const void *restrict wv, size_t pstride, float *restrict y, \
+                            const float *restrict scale, const float *restrict bias, int K) {            \
+        for (int i = 0; i < WIDE; i++)                                                                    \
+            NAME##_1(x, (const WTYPE *)wv + i * pstride, y + i * NR, scale ? scale + i * NR : NULL, bias ? bias + i * NR : NULL, K, NR); \
     }
 #define LOAD_F32(w, k)
+#define LOAD_BF16(w, k)
 #define LOAD_I8(w, k)
 #endif
 
@@ -79,32 +176,119 @@
     KERNEL(NAME, WTYPE, LOAD, 4)                                                                          \
     KERNEL(NAME, WTYPE, LOAD, 5)                                                                          \
     KERNEL(NAME, WTYPE, LOAD, 6)                                                                          \
-    typedef void (*NAME##_fn)(const float *, const WTYPE *, float *, const float *, const float *, int, int); \
-    static const NAME##_fn NAME##_table[MR + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
+    KERNEL_WIDE(NAME, WTYPE, LOAD)                                                                        \
+    static const kernel_fn NAME##_table[MR + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
 
+typedef void (*kernel_fn)(const float *, const void *, float *, const float *, const float *, int, int);
+typedef void (*wide_fn)(const float *, const void *, size_t, float *, const float *, const float *, int);
 KERNELS_FOR(f32, float, LOAD_F32)
+KERNELS_FOR(bf16, uint16_t, LOAD_BF16)
 KERNELS_FOR(i8, int8_t, LOAD_I8)
 
-/* The panel loop, shared by both weight types. packed: [N/NR, K, NR]; x: [M, K]; y: [M, N];
- * scale, bias: [N] or NULL. */
-#define PANELS(TABLE, WTYPE)                                                                              \
-    const int panels = N / NR;                                                                            \
-    _Pragma("omp parallel for schedule(static)")                                                          \
-    for (int p = 0; p < panels; p++) {                                                                    \
-        const WTYPE *w = (const WTYPE *)packed + (size_t)p * K * NR;                                      \
-        const float *s = scale ? scale + (size_t)p * NR : NULL;                                           \
-        const float *b = bias ? bias + (size_t)p * NR : NULL;                                             \
-        for (int m0 = 0; m0 < M; m0 += MR) {                                                              \
-            const int mr = M - m0 < MR ? M - m0 : MR;                                                     \
-            TABLE[mr](x + (size_t)m0 * K, w, y + (size_t)m0 * N + (size_t)p * NR, s, b, K, N);            \
-        }                                                                                                 \
-    }
+static const kernel_fn *const tables[3] = {f32_table, bf16_table, i8_table};
+static const wide_fn wides[3] = {f32_wide, bf16_wide, i8_wide};
+static const size_t weight_bytes[3] = {4, 2, 1};
 
-void skinny_gemm(const float *x, const float *packed, const float *bias, float *y, int M, int K, int N) {
-    const float *scale = NULL;
-    PANELS(f32_table, float)
+/* Panels [p0, p1) of type wtype (bfloat16 or int8), widened to float32 into buf, in natural column
+ * order (exact: the float32 kernels then compute the same products and sums). */
+static void widen_panels(const void *packed, int wtype, int p0, int p1, int K, float *buf) {
+    const size_t rows = (size_t)(p1 - p0) * K, start = (size_t)p0 * K * NR; /* rows of NR weights */
+#if defined(__AVX2__) && defined(__FMA__)
+    if (wtype == W_BF16) {
+        const uint16_t *w = (const uint16_t *)packed + start;
+        for (size_t k = 0; k < rows; k++) {
+            LOAD_BF16(w, k)
+            _mm256_storeu_ps(buf + k * NR, w0), _mm256_storeu_ps(buf + k * NR + 8, w1);
+        }
+    } else {
+        const int8_t *w = (const int8_t *)packed + start;
+        for (size_t k = 0; k < rows; k++) {
+            LOAD_I8(w, k)
+            _mm256_storeu_ps(buf + k * NR, w0), _mm256_storeu_ps(buf + k * NR + 8, w1);
+        }
+    }
+#else
+    for (size_t k = 0; k < rows; k++)
+        for (int j = 0; j < NR; j++)
+            buf[k * NR + j] = wtype == W_BF16 ? WEIGHT_uint16_t((const uint16_t *)packed + start, k, j)
+                                              : WEIGHT_int8_t((const int8_t *)packed + start, k, j);
+#endif
 }
 
-void skinny_gemm_i8(const float *x, const int8_t *packed, const float *scale, const float *bias, float *y, int M, int K, int N) {
-    PANELS(i8_table, int8_t)
+/* How many panels one task covers. Decoding (one chunk of rows): whole groups of WIDE panels, about
+ * 16 tasks per thread so that threads share out evenly whatever they are given of the CPU; larger
+ * products: blocks of panels that fit in L2. */
+static int panels_per_task(int panels, size_t panel_bytes, int M, int threads) {
+    if (M > MR) {
+        const int block = (int)(L2_BLOCK_BYTES / panel_bytes);
+        return block < 1 ? 1 : block;
+    }
+    const int share = (panels + 16 * threads - 1) / (16 * threads);
+    return (share + WIDE - 1) / WIDE * WIDE;
+}
+
+typedef struct {
+    const float *x;
+    const void *packed;
+    const float *scale, *bias;
+    void *y;
+    int wtype, widen, y_bf16, M, K, N, panels, per_task;
+} gemm_job;
+
+/* Task t: all rows times panels [t * per_task, (t + 1) * per_task). */
+static void gemm_task(void *arg, int task) {
+    const gemm_job *g = arg;
+    const int K = g->K, N = g->N, p0 = task * g->per_task;
+    const int p1 = p0 + g->per_task < g->panels ? p0 + g->per_task : g->panels;
+    const size_t panel_bytes = (size_t)K * NR * weight_bytes[g->wtype];
+    const kernel_fn *table = tables[g->widen ? W_F32 : g->wtype];
+    const wide_fn wide_kernel = wides[g->widen ? W_F32 : g->wtype];
+    float *wide = NULL;
+    if (g->widen) {
+        wide = specdec_scratch((size_t)(p1 - p0) * K * NR);
+        widen_panels(g->packed, g->wtype, p0, p1, K, wide);
+    }
+    float tile[(MR > WIDE ? MR : WIDE) * NR];
+    for (int m0 = 0; m0 < g->M; m0 += MR) {
+        const int mr = g->M - m0 < MR ? g->M - m0 : MR;
+        for (int p = p0; p < p1;) {
+            const int np = mr == 1 && p + WIDE <= p1 ? WIDE : 1; /* panels in this call */
+            const void *w = wide ? (const void *)(wide + (size_t)(p - p0) * K * NR)
+                                 : (const void *)((const char *)g->packed + (size_t)p * panel_bytes);
+            const float *s = g->scale ? g->scale + (size_t)p * NR : NULL;
+            const float *b = g->bias ? g->bias + (size_t)p * NR : NULL;
+            float *out = g->y_bf16 ? tile : (float *)g->y + (size_t)m0 * N + (size_t)p * NR;
+            const int ldo = g->y_bf16 ? np * NR : N;
+            if (np == WIDE)
+                wide_kernel(g->x + (size_t)m0 * K, w, (size_t)K * NR, out, s, b, K);
+            else
+                table[mr](g->x + (size_t)m0 * K, w, out, s, b, K, ldo);
+            if (g->y_bf16) {
+                uint16_t *y = (uint16_t *)g->y + (size_t)m0 * N + (size_t)p * NR;
+                for (int i = 0; i < mr; i++)
+                    for (int j = 0; j < ldo; j++) y[(size_t)i * N + j] = f32_to_bf16(tile[i * ldo + j]);
+            }
+            p += np;
+        }
+    }
+}
+
+/* x: [M, K] float32 or bfloat16 (x_bf16); packed: [N/NR, K, NR] of wtype; scale (int8 only), bias: [N]
+ * float32 or NULL; y: [M, N] float32 or bfloat16 (y_bf16). N is a multiple of NR. Up to `threads`
+ * threads. */
+void skinny_gemm(const void *x_in, int x_bf16, const void *packed, int wtype, const float *scale, const float *bias,
+                 void *y_out, int y_bf16, int M, int K, int N, int threads) {
+    if (M == 0 || N == 0) return;
+    float *x_wide = NULL;
+    if (x_bf16) {
+        x_wide = malloc((size_t)M * K * sizeof(float));
+        if (!x_wide) abort();
+        for (size_t i = 0; i < (size_t)M * K; i++) x_wide[i] = bf16_to_f32(((const uint16_t *)x_in)[i]);
+    }
+    const int panels = N / NR, widen = wtype != W_F32 && M > MR;
+    const size_t panel_bytes = (size_t)K * NR * (widen ? sizeof(float) : weight_bytes[wtype]); /* as the kernels read them */
+    gemm_job g = {x_wide ? x_wide : x_in, packed, scale, bias, y_out, wtype, widen, y_bf16, M, K, N, panels,
+                  panels_per_task(panels, panel_bytes, M, threads)};
+    specdec_parallel((panels + g.per_task - 1) / g.per_task, threads, gemm_task, &g);
+    free(x_wide);
 }

@@ -1,0 +1,568 @@
+"""The exact (Triton) kernels against the library path (cuBLAS + SDPA + torch.compile) on one GPU, in one call:
+
+(a) invariance on the real shapes (default model and Llama-3-8B, bf16): every GEMM kind's rows
+    (M = 1..64) and every attention token (blocks of 1..16, a tree, 3 batch rows, any number of programs
+    per token) bitwise equal to the row / token computed alone: PASS or FAIL per kernel;
+(b) GEMM time per weight shape at M = 1 and 16, measured *in place*: a CUDA graph of back-to-back calls
+    cycling through copies of the weight (200 MB or more in all, so no weight is served from L2, as in a
+    forward), divided by the number of calls: the exact kernel (its current tiling) vs F.linear (cuBLAS),
+    us and % of the copy bandwidth; ablations (the paired gate_up / qkv weights run as a plain GEMM);
+(c) a sweep of tilings per shape (M = 1, then M = 16 for the best) -> triton_ops.TUNED_GEMM, applied to
+    the "exact-tuned" forwards below and printed for pasting into triton_ops.py;
+(d) attention at context 512 and 2048 (T = 1 and 16), in place: the exact kernel vs SDPA with the
+    library's mask, and (T = 1) other (block_s, chunk) tilings;
+(e) whole forwards replayed from CUDA graphs after a 512-token context, default-model shape and 8B shape
+    (random bf16 weights): exact (heuristic tilings), exact-tuned (the sweep's), exact without PDL and
+    without the L2 weight prefetch (default model), library; k = 1, 2, 4, 8, 11, 16 new tokens: ms, the verify ratio r(k) = t(k) / t(1),
+    plain decoding's forwards per second against the weight-reading floor, the engine's plain decoding
+    tokens/s, a 4-token block vs 4 single steps (bitwise), and a kernel profile of one eager forward.
+
+Results go to OUT/kernels.json as each part finishes; a compact table is printed at the end.
+
+    python benchmarks/kernels.py --out OUT [--quick] [--skip-8b] [--sweep-seconds 100]
+
+--quick skips the sweep and the tuned and no-PDL forwards (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu import LLAMA3_8B, decode_rate, random_model  # noqa: E402
+from specdec.costs import copy_bandwidth, weight_bytes_per_forward  # noqa: E402
+from specdec.graphs import GraphedModel  # noqa: E402
+from specdec.models.kernels import kernel_path, use_kernels  # noqa: E402
+from specdec.models.llama import ModelConfig, build_attention_mask  # noqa: E402
+
+DEFAULT = ModelConfig(
+    model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)  # SmolLM2-135M
+MODELS = {"default": DEFAULT, "8b": LLAMA3_8B}
+ROWS = (1, 2, 5, 11, 16, 33, 64)
+BENCH_ROWS = (1, 16)
+KS = (1, 2, 4, 8, 11, 16)
+CONTEXT = 512
+DTYPE = torch.bfloat16
+STREAM_BYTES = 200 << 20  # weight copies per timed graph: more than 3x an H200's L2
+
+
+def ops():
+    from specdec.models import triton_ops
+
+    return triton_ops
+
+
+def gemm_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """kind -> weight (N, K) of one decoder layer and the LM head."""
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return {"qkv": (qkv, c.hidden_size), "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
+            "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def tuning_key(kind: str, c: ModelConfig) -> tuple:
+    """triton_ops.TUNED_GEMM's key for this weight: (kernel kind, rows per accumulator, K, dtype)."""
+    N, K = gemm_shapes(c)[kind]
+    if kind == "qkv":
+        return ("qkv", N // 2, K, DTYPE)
+    if kind == "gate_up":
+        return ("silu", N // 2, K, DTYPE)
+    return ("plain", N, K, DTYPE)
+
+
+class GemmCase:
+    """One weight of one model shape (with copies to stream through), inputs for up to 64 rows, run
+    through its exact kernel ("as_plain": the same weight through the plain kernel, no fusion)."""
+
+    def __init__(self, c: ModelConfig, kind: str, device: torch.device, copies: int = 1, as_plain: bool = False) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.c, self.kind, self.as_plain = c, kind, as_plain
+        N, K = gemm_shapes(c)[kind]
+        self.weights = [(torch.randn(N, K, device=device, generator=gen) * K ** -0.5).to(DTYPE) for _ in range(copies)]
+        self.weight = self.weights[0]
+        self.x = torch.randn(max(ROWS), K, device=device, generator=gen).to(DTYPE)
+        self.norm = (1 + 0.1 * torch.randn(K, device=device, generator=gen)).to(DTYPE)
+        self.residual = torch.randn(max(ROWS), N, device=device, generator=gen).to(DTYPE)
+        self.inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device).float() / c.head_dim)
+        self.positions = torch.arange(CONTEXT, CONTEXT + max(ROWS), device=device)[None]  # [1, 64]
+        self.k_cache = torch.zeros(1, c.num_kv_heads, CONTEXT + max(ROWS), c.head_dim, dtype=DTYPE, device=device)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.lengths = torch.full((1,), CONTEXT, device=device)
+
+    def run(self, rows: slice, config=None, weight=None) -> tuple[torch.Tensor, ...]:
+        o, x, c = ops(), self.x[rows], self.c
+        w = self.weight if weight is None else weight
+        M = x.shape[0]
+        if self.as_plain:
+            return (o.linear(x, w, config=config),)
+        if self.kind == "qkv":
+            lengths = self.lengths if rows.start == 0 else self.lengths + rows.start  # no extra kernel in timed graphs
+            q = o.qkv_rope_write(x, w, None, self.norm, 1e-5, self.positions[:, rows], self.inv_freq, 1.0, self.k_cache,
+                                 self.v_cache, lengths, M, c.num_heads, c.num_kv_heads, config=config)
+            slots = slice(CONTEXT + rows.start, CONTEXT + rows.start + M)
+            return q, self.k_cache[0, :, slots], self.v_cache[0, :, slots]
+        if self.kind == "gate_up":
+            return (o.silu_linear(x, w, None, self.norm, 1e-5, config),)
+        if self.kind == "lm_head":
+            return (o.linear(x, w, out_dtype=torch.float32, config=config),)
+        return (o.linear(x, w, residual=self.residual[rows], config=config),)
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def copies_for(c: ModelConfig, kind: str) -> int:
+    N, K = gemm_shapes(c)[kind]
+    return max(2, min(400, math.ceil(STREAM_BYTES / (N * K * 2))))
+
+
+def rows_invariant(case: GemmCase) -> bool:
+    alone = [tuple(t.clone() for t in case.run(slice(m, m + 1))) for m in range(max(ROWS))]
+    for rows in ROWS:
+        for i, out in enumerate(case.run(slice(0, rows))):
+            if not torch.equal(out, torch.cat([a[i] for a in alone[:rows]], dim=-2)):
+                return False
+    return True
+
+
+def attention_invariant(c: ModelConfig, device: torch.device) -> dict[str, bool]:
+    """Tokens of causal blocks (T = 1..16) and of a 16-node tree, over 3 batch rows of different
+    lengths, against each token computed alone as the chain it stands for, and the same tokens with
+    1 and 3 programs per token."""
+    o = ops()
+    gen = torch.Generator(device=device).manual_seed(1)
+    B, S = 3, 1024
+    k_cache = torch.randn(B, c.num_kv_heads, S, c.head_dim, device=device, generator=gen).to(DTYPE)
+    v_cache = torch.randn(B, c.num_kv_heads, S, c.head_dim, device=device, generator=gen).to(DTYPE)
+    lengths = torch.tensor([CONTEXT, 37, 700], device=device)
+    result = {}
+    for name, T in [("causal", t) for t in (1, 2, 5, 11, 16)] + [("tree", 16)]:
+        mask, positions = None, lengths[:, None] + torch.arange(T, device=device)
+        if name == "tree":
+            parents = [max(0, i - 1 - (i % 3)) for i in range(T)]  # a few branches
+            seen = torch.eye(T, dtype=torch.bool)
+            depth = torch.zeros(T, dtype=torch.long)
+            for i in range(1, T):
+                seen[i] |= seen[parents[i]]
+                depth[i] = depth[parents[i]] + 1
+            mask, positions = seen.expand(B, T, T).to(device), lengths[:, None] + depth.to(device)
+        q = torch.randn(B * T, c.num_heads * c.head_dim, device=device, generator=gen).to(DTYPE)
+        visible = None if mask is None else o.visible_order(mask, B, T, device)
+        out = o.attention(q, k_cache, v_cache, lengths, T, visible, positions)
+        ok = all(torch.equal(out, o.attention(q, k_cache, v_cache, lengths, T, visible, positions, programs=p)) for p in (1, 3))
+        for b in range(B):
+            for t in range(T):
+                seen_t = torch.arange(t + 1, device=device) if mask is None else mask[b, t].nonzero()[:, 0]
+                start = int(lengths[b])
+                k, v = k_cache[b:b + 1].clone(), v_cache[b:b + 1].clone()
+                k[:, :, start:start + len(seen_t)] = k_cache[b:b + 1, :, start + seen_t]
+                v[:, :, start:start + len(seen_t)] = v_cache[b:b + 1, :, start + seen_t]
+                alone = o.attention(q[b * T + t:b * T + t + 1], k, v, torch.tensor([start + len(seen_t) - 1], device=device),
+                                    1, None, positions[b:b + 1, t:t + 1].contiguous())
+                ok &= torch.equal(alone[0], out[b * T + t])
+        result[f"attention {name} T={T}"] = ok
+    return result
+
+
+def check_invariance(device: torch.device) -> dict[str, bool]:
+    checks = {}
+    for model, c in MODELS.items():
+        for kind in gemm_shapes(c):
+            checks[f"{model} gemm {kind}"] = rows_invariant(GemmCase(c, kind, device))
+        checks.update({f"{model} {k}": v for k, v in attention_invariant(c, device).items()})
+        x = torch.randn(max(ROWS), c.hidden_size, device=device).to(DTYPE)
+        w = torch.ones(c.hidden_size, device=device, dtype=DTYPE)
+        full = ops().rms_norm(x, w, 1e-5)
+        checks[f"{model} rms_norm"] = all(torch.equal(ops().rms_norm(x[:r].contiguous(), w, 1e-5), full[:r]) for r in ROWS)
+        torch.cuda.empty_cache()
+    return checks
+
+
+def graph_us(calls: list, replays: int = 7) -> float:
+    """Median us per call of `calls` run back to back, captured once into a CUDA graph (in place: no
+    host overhead, each call's launch and ramp-up included as in a forward)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, warm up
+        for call in calls[:2]:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(samples)
+
+
+def time_exact(case: GemmCase, M: int, config=None) -> float:
+    return graph_us([lambda w=w: case.run(slice(0, M), config, w) for w in case.weights])
+
+
+def time_cublas(case: GemmCase, M: int) -> float:
+    x = case.x[:M]
+    return graph_us([lambda w=w: F.linear(x, w) for w in case.weights])
+
+
+def gemm_times(device: torch.device, bandwidth: float) -> list[dict]:
+    rows = []
+    cases = [(m, k, False) for m, c in MODELS.items() for k in gemm_shapes(c)]
+    cases += [(m, k, True) for m in MODELS for k in ("qkv", "gate_up")]  # ablation: the paired weights as a plain GEMM
+    for model, kind, as_plain in cases:
+        c = MODELS[model]
+        case = GemmCase(c, kind, device, copies_for(c, kind), as_plain)
+        for M in BENCH_ROWS:
+            exact, lib = time_exact(case, M), time_cublas(case, M)
+            pct = lambda us: 100 * case.weight_bytes() / (us * 1e-6) / bandwidth  # noqa: E731
+            rows.append({"model": model, "kind": kind + (" as plain" if as_plain else ""), "N_K": gemm_shapes(c)[kind], "M": M,
+                         "exact_us": exact, "cublas_us": lib, "exact_pct_copy": pct(exact), "cublas_pct_copy": pct(lib),
+                         "config": str(current_config(c, kind, as_plain))})
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def current_config(c: ModelConfig, kind: str, as_plain: bool = False):
+    o = ops()
+    N, K = gemm_shapes(c)[kind]
+    if as_plain:
+        return o.pick_gemm_config("plain", N, K, DTYPE)
+    key = tuning_key(kind, c)
+    return o.pick_gemm_config(key[0], key[1], key[2], DTYPE)
+
+
+def candidate_configs(kind: str, c: ModelConfig) -> list:
+    """A few tilings around the heuristic's: K steps of 64/128 (small K) or 128/256, split-K 1, the
+    heuristic's, half and twice it, the most pipeline stages that fit; for weights with more 64-row
+    tiles than SMs also 128-row tiles (8 warps: two wgmma groups)."""
+    o = ops()
+    key = tuning_key(kind, c)
+    _, rows, K, _ = key
+    base = o.pick_gemm_config(key[0], rows, K, DTYPE)
+    tiles = 1 if key[0] == "plain" else 2
+    configs = [base]
+    widths = (64, 128) if -(-rows // 64) > o.SMS else (64,)
+    for block_n in widths:
+        for block_k in ((64, 128) if K <= 1024 else (128, 256)):
+            k_blocks, n_tiles = -(-K // block_k), -(-rows // block_n)
+            splits = {1, base.split_k, 2 * base.split_k, max(1, base.split_k // 2)} if block_n == 64 else {1}
+            for split in sorted(splits):
+                if split > k_blocks or (split > 1 and n_tiles * split > 3 * o.SMS):
+                    continue
+                stage = (tiles * block_n + o.BLOCK_T) * block_k * 2
+                budget = 216 * 1024 if n_tiles * split <= o.SMS else 110 * 1024
+                stages = max(2, min(6, budget // stage, -(-k_blocks // split) + 1))
+                config = o.GemmConfig(block_n, block_k, split, 4 if block_n == 64 else 8, stages)
+                if config not in configs:
+                    configs.append(config)
+                if block_n == 64 and split == base.split_k and block_k == base.block_k and stages > 3:
+                    fewer = o.GemmConfig(block_n, block_k, split, 4, 3)  # fewer stages: two programs per SM
+                    if fewer not in configs:
+                        configs.append(fewer)
+    return configs
+
+
+def sweep(device: torch.device, seconds: float) -> list[dict]:
+    """Tilings per shape at M = 1 (decode) then M = 16 (verify) for each; best = least M=1 time + M=16
+    time / 8 (decode dominates)."""
+    deadline, results = time.perf_counter() + seconds, []
+    for model, c in reversed(MODELS.items()):  # the 8B shapes first: they set the floor target
+        for kind in gemm_shapes(c):
+            case = GemmCase(c, kind, device, copies_for(c, kind))
+            for config in candidate_configs(kind, c):
+                if time.perf_counter() > deadline:
+                    return results
+                try:
+                    t1, t16 = time_exact(case, 1, config), time_exact(case, 16, config)
+                except Exception as e:  # out of shared memory, a compiler refusal: record it, go on
+                    results.append({"model": model, "kind": kind, "config": vars(config), "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
+                results.append({"model": model, "kind": kind, "config": vars(config), "us_m1": t1, "us_m16": t16,
+                                "pct_copy_m1": 100 * case.weight_bytes() / (t1 * 1e-6) / results_bandwidth[0]})
+            del case
+            torch.cuda.empty_cache()
+    return results
+
+
+results_bandwidth = [1.0]
+
+
+def best_tilings(sweep_rows: list[dict]) -> dict:
+    """(model, kind) -> the best sweep row."""
+    best = {}
+    for r in sweep_rows:
+        if "us_m1" not in r:
+            continue
+        key, score = (r["model"], r["kind"]), r["us_m1"] + r["us_m16"] / 8
+        if key not in best or score < best[key]["score"]:
+            best[key] = {**r, "score": score}
+    return best
+
+
+def apply_tuning(best: dict) -> dict:
+    """Put the sweep's best tilings into triton_ops.TUNED_GEMM; returns the table as text-keyed dict."""
+    o, table = ops(), {}
+    for (model, kind), r in best.items():
+        key = tuning_key(kind, MODELS[model])
+        o.TUNED_GEMM[key] = o.GemmConfig(**r["config"])
+        table[str(key)] = r["config"]
+    return table
+
+
+ATTENTION_CANDIDATES = [(64, 128, 4, 2), (64, 256, 4, 2), (32, 128, 4, 2), (128, 256, 4, 2), (64, 64, 4, 2)]  # block_s, chunk, warps, stages
+
+
+def attention_times(device: torch.device, tilings: bool) -> list[dict]:
+    """Exact kernel (current tiling) vs SDPA, in place; at T = 1 also the candidate tilings (us)."""
+    o, rows = ops(), []
+    for model, c in MODELS.items():
+        layers = 32  # caches to cycle through (like a forward's layers)
+        for context in (512, 2048):
+            S = context + 64
+            caches = [(torch.randn(1, c.num_kv_heads, S, c.head_dim, device=device, dtype=DTYPE),
+                       torch.randn(1, c.num_kv_heads, S, c.head_dim, device=device, dtype=DTYPE)) for _ in range(layers)]
+            for T in (1, 16):
+                lengths = torch.tensor([context], device=device)
+                positions = lengths[:, None] + torch.arange(T, device=device)
+                q = torch.randn(T, c.num_heads * c.head_dim, device=device, dtype=DTYPE)
+                exact = graph_us([lambda k=k, v=v: o.attention(q, k, v, lengths, T, None, positions) for k, v in caches])
+                mask = build_attention_mask(lengths, positions, positions, None, None, S)
+                qq = q.view(1, T, c.num_heads, c.head_dim).transpose(1, 2)
+                lib = graph_us([lambda k=k, v=v: F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, enable_gqa=True)
+                                for k, v in caches])
+                row = {"model": model, "context": context, "T": T, "exact_us": exact, "sdpa_us": lib}
+                if T == 1 and tilings:
+                    row["tilings"] = {str(t): graph_us([lambda k=k, v=v, t=t: o.attention(q, k, v, lengths, T, None, positions,
+                                                                                         config=o.AttentionConfig(*t))
+                                                        for k, v in caches]) for t in ATTENTION_CANDIDATES}
+                rows.append(row)
+            del caches
+    return rows
+
+
+def graph_forward_ms(model, ks=KS, repeats: int = 20) -> dict[int, float]:
+    """Median ms of one graph replay per k new tokens after a CONTEXT-token prefix (static cache)."""
+    device = next(model.parameters()).device
+    cache = model.new_cache(1, 1024, static=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT + max(ks)), device=device)
+    model(ids[:, :CONTEXT], torch.arange(CONTEXT, device=device)[None], cache)
+    graphed = GraphedModel(model, cache)
+    times = {}
+    for k in ks:
+        block, positions = ids[:, CONTEXT:CONTEXT + k], torch.arange(CONTEXT, CONTEXT + k, device=device)[None]
+        cache.lengths.fill_(CONTEXT)
+        graphed(block, positions, cache)  # capture
+        graph = graphed.graphs[(k, None)].graph
+        samples = []
+        for _ in range(repeats):
+            cache.lengths.fill_(CONTEXT)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[k] = statistics.median(samples)
+    del graphed
+    return times
+
+
+def block_equals_steps(model, k: int = 4) -> bool:
+    """A k-token block's logits and hidden states bitwise equal k single-token steps (eager, dynamic cache)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (1, 64 + k), device=device, generator=torch.Generator(device).manual_seed(3))
+    cache = model.new_cache(1, 128)
+    model(ids[:, :64], torch.arange(64, device=device)[None], cache)
+    block = model(ids[:, 64:], torch.arange(64, 64 + k, device=device)[None], cache)
+    cache.trim(torch.tensor([64], device=device))
+    ok = True
+    for i in range(k):
+        step = model(ids[:, 64 + i:65 + i], torch.tensor([[64 + i]], device=device), cache)
+        ok &= torch.equal(step.logits[0, 0], block.logits[0, i]) and torch.equal(step.hidden[0, 0], block.hidden[0, i])
+    return bool(ok)
+
+
+def kernel_profile(model, top: int = 12) -> dict:
+    """Device time by kernel name of one eager decode forward (1 token after CONTEXT): where time goes."""
+    from collections import defaultdict
+
+    device = next(model.parameters()).device
+    cache = model.new_cache(1, 1024)
+    ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT + 1), device=device)
+    model(ids[:, :CONTEXT], torch.arange(CONTEXT, device=device)[None], cache)
+    model(ids[:, CONTEXT:], torch.tensor([[CONTEXT]], device=device), cache)  # warm
+    cache.lengths.fill_(CONTEXT)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(ids[:, CONTEXT:], torch.tensor([[CONTEXT]], device=device), cache)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name[:50]].append(e.device_time)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"kernels": sum(len(v) for v in by_name.values()), "kernel_us": sum(sum(v) for v in by_name.values()),
+            "top": [{"name": n, "count": len(v), "us": sum(v)} for n, v in ranked]}
+
+
+def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: float, variants: list[str]) -> dict:
+    o = ops()
+    model = random_model(c, device)
+    floor_ms = weight_bytes_per_forward(model) / bandwidth * 1e3
+    prompt = torch.randint(0, c.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = {"floor_ms": floor_ms, "weight_bytes": weight_bytes_per_forward(model)}
+    tuned = dict(o.TUNED_GEMM)
+    for variant in variants:  # exact | exact-tuned | exact-nopdl | exact-noprefetch | library
+        t0 = time.perf_counter()
+        o.TUNED_GEMM.clear()
+        if variant == "exact-tuned":
+            o.TUNED_GEMM.update(tuned)
+        o.PDL = variant != "exact-nopdl"
+        o.PREFETCH = variant != "exact-noprefetch"
+        use_kernels(model, "library" if variant == "library" else "exact")
+        ks = KS if variant in ("exact", "library") else (1, 16)
+        try:
+            ms = graph_forward_ms(model, ks)
+            entry = {"kernel_path": kernel_path(model).name, "forward_ms": ms, "verify_ratio": {k: t / ms[1] for k, t in ms.items()},
+                     "forwards_per_s": 1e3 / ms[1], "pct_of_floor": 100 * floor_ms / ms[1]}
+            if variant not in ("exact-nopdl", "exact-noprefetch"):
+                entry["engine_tokens_per_s"] = decode_rate(model, prompt)
+                entry["block_equals_steps"] = block_equals_steps(model)
+            if variant in ("exact", "library", "exact-tuned"):
+                entry["profile"] = kernel_profile(model)
+        except Exception as e:  # keep the other variants' results
+            entry = {"error": f"{type(e).__name__}: {e}"[:500]}
+        entry["seconds"] = time.perf_counter() - t0
+        out[variant] = entry
+        print(f"  {name} {variant}: {time.perf_counter() - t0:.0f} s", flush=True)
+        torch.cuda.empty_cache()
+    o.TUNED_GEMM.clear()
+    o.TUNED_GEMM.update(tuned)
+    o.PDL = o.PREFETCH = True
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def save(out: Path, results: dict) -> None:
+    (out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def print_table(results: dict) -> None:
+    inv = results.get("invariance", {})
+    fails = [k for k, ok in inv.items() if not ok]
+    print(f"\n== (a) invariance (bf16, real shapes): {sum(inv.values())}/{len(inv)} PASS" + (f"; FAIL: {fails}" if fails else ""))
+    print("\n== (b) GEMM in place, us (% of copy bandwidth): exact | cuBLAS   [exact tiling]")
+    by = {}
+    for r in results.get("gemm", []):
+        by.setdefault((r["model"], r["kind"], str(r["N_K"]), r["config"]), {})[r["M"]] = r
+    for (model, kind, nk, config), ms in by.items():
+        cells = "  ".join(f"M={M:2d} {r['exact_us']:7.1f} ({r['exact_pct_copy']:4.0f}%) | {r['cublas_us']:7.1f} ({r['cublas_pct_copy']:4.0f}%)"
+                          for M, r in sorted(ms.items()))
+        print(f"{model:8s}{kind:17s}{nk:15s} {cells}   {config.replace('GemmConfig', '')}")
+    best = best_tilings(results.get("sweep", []))
+    if best:
+        print("\n== (c) sweep: best tiling per shape (us at M=1 / M=16, % copy at M=1)")
+        for (model, kind), r in best.items():
+            print(f"{model:8s}{kind:8s} {r['config']}  {r['us_m1']:.1f} / {r['us_m16']:.1f}  ({r['pct_copy_m1']:.0f}%)")
+        print("TUNED_GEMM entries:", results.get("tuned_table"))
+    print("\n== (d) attention in place, us: exact | SDPA   [T=1 tilings (block_s, chunk, warps, stages): us]")
+    for r in results.get("attention", []):
+        tilings = " ".join(f"{k}:{v:.1f}" for k, v in r.get("tilings", {}).items())
+        print(f"{r['model']:8s} context {r['context']:5d} T={r['T']:2d}  {r['exact_us']:7.1f} | {r['sdpa_us']:7.1f}  {tilings}")
+    print("\n== (e) whole forwards in CUDA graphs (context 512, batch 1)")
+    for name in ("default", "8b"):
+        f = results.get(f"forward_{name}")
+        if not f:
+            continue
+        for variant in ("exact", "exact-tuned", "exact-nopdl", "exact-noprefetch", "library"):
+            p = f.get(variant)
+            if not p:
+                continue
+            if "error" in p:
+                print(f"{name:8s}{variant:12s} ERROR {p['error'][:300]}")
+                continue
+            ratios = " ".join(f"{k}:{v:.2f}" for k, v in p["verify_ratio"].items())
+            engine = f"engine {p['engine_tokens_per_s']:7.1f} tok/s" if "engine_tokens_per_s" in p else ""
+            same = {True: "block==steps", False: "BLOCK!=STEPS"}.get(p.get("block_equals_steps"), "")
+            print(f"{name:8s}{variant:12s} t(1)={p['forward_ms'][1]:.3f} ms {p['forwards_per_s']:7.1f} fwd/s "
+                  f"{p['pct_of_floor']:5.1f}% of floor ({f['floor_ms']:.3f} ms)  {engine}  {same}  r(k) {ratios}")
+            prof = p.get("profile")
+            if prof:
+                print(f"{'':20s}eager forward: {prof['kernels']} kernels, {prof['kernel_us']:.0f} us: "
+                      + ", ".join(f"{k['name'][:24]} {k['count']}x {k['us']:.0f}" for k in prof["top"][:6]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="skip the sweep, the attention tilings and the tuned / no-PDL forwards")
+    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--sweep-seconds", type=float, default=100)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.skip_8b:
+        MODELS.pop("8b")
+    import triton
+
+    results: dict = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__}
+    start = time.perf_counter()
+
+    def step(key: str, fn) -> None:
+        t = time.perf_counter()
+        try:
+            results[key] = fn()
+        except Exception as e:  # keep the other parts' results
+            results[key + "_error"] = f"{type(e).__name__}: {e}"
+            print(f"{key}: FAILED {results[key + '_error'][:500]}", flush=True)
+        print(f"{key}: {time.perf_counter() - t:.0f} s (total {time.perf_counter() - start:.0f} s)", flush=True)
+        save(out, results)
+
+    bandwidth = copy_bandwidth(device)
+    results_bandwidth[0] = bandwidth
+    results["copy_bandwidth_gbs"] = bandwidth / 1e9
+    step("invariance", lambda: check_invariance(device))
+    step("gemm", lambda: gemm_times(device, bandwidth))
+    if not args.quick:
+        step("sweep", lambda: sweep(device, args.sweep_seconds))
+        results["tuned_table"] = apply_tuning(best_tilings(results.get("sweep", [])))
+    step("attention", lambda: attention_times(device, tilings=not args.quick))
+    variants = ["exact", "library"] if args.quick else ["exact", "exact-tuned", "exact-nopdl", "exact-noprefetch", "library"]
+    step("forward_default", lambda: whole_forwards("default", DEFAULT, device, bandwidth, variants))
+    if not args.skip_8b:
+        step("forward_8b", lambda: whole_forwards("8b", LLAMA3_8B, device, bandwidth, [v for v in variants if v in ("exact", "exact-tuned", "library")]))
+    print_table(results)
+    print(f"\n{results['gpu']}, torch {results['torch']}, triton {results['triton']}, copy {results['copy_bandwidth_gbs']:.0f} GB/s; "
+          f"total {time.perf_counter() - start:.0f} s; details in {out / 'kernels.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

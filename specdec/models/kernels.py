@@ -1,0 +1,226 @@
+"""Which kernels run a native model's forwards, chosen at load: `load_model(..., kernels=...)`.
+
+- "exact": every per-token output (logits, hidden state, KV) is bitwise the same whether the token is
+  computed alone, inside a verify block or a tree, or in a batch of any size, so greedy speculative
+  output equals greedy plain output token for token. On CUDA: specdec's Triton kernels
+  (specdec/models/triton_ops.py), five launches per decoder layer, for every forward over a KV cache
+  of anything built from DecoderLayer / run_layers / LlamaModel (targets, layer subsets, draft models,
+  the EAGLE head's layer). On the CPU: specdec's C kernels (cpu_gemm, cpu_attention), through the
+  packed Linear layers. Refused with a UserError where it is not available (no triton, an uncovered
+  model feature, a dtype the kernels lack), naming the feature and the `kernels="library"` way out.
+- "library": cuBLAS + SDPA + torch.compile'd elementwise ops on CUDA, MKL + SDPA on the CPU: each
+  picks its algorithm per shape, so a token's bits depend on the block and batch it is computed in.
+- "auto" (the default): "exact" where it is available, else "library" (said once on stderr).
+
+Forwards with autograd on (training) or without a cache (cache=None) always take the library path.
+The choice lives on each DecoderLayer (`layer.kernels`), so views that share the target's layers
+share its choice; `kernel_path(model)` reports what runs, for the CLI and results.json.
+
+SPECDEC_TRITON_INTERPRET=1 (for development and tests without a GPU) sets TRITON_INTERPRET=1, and CPU
+models loaded with kernels="exact" then run the Triton kernels through Triton's (slow) interpreter
+instead of the C kernels ("auto" keeps the C kernels).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+from functools import cache
+
+import torch
+from torch import Tensor, nn
+
+from specdec.errors import UserError
+
+CHOICES = ("auto", "exact", "library")
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    name: str  # "triton-exact" | "cpu-exact" | "cublas" | "mkl" | "transformers"
+    exact: bool  # per-token outputs bitwise invariant to block and batch size
+    detail: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def interpreting() -> bool:
+    return os.environ.get("SPECDEC_TRITON_INTERPRET") == "1"
+
+
+@cache
+def triton_problem() -> str | None:
+    """Why the Triton kernels cannot run in this process (None: they can). Imports triton once."""
+    if interpreting():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from specdec.models import triton_ops  # noqa: F401
+    except Exception as e:  # ImportError, or a triton too old for the kernels
+        return f"triton is not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def triton_device(device: torch.device, choice: str) -> bool:
+    """Whether `choice` means the Triton kernels on `device` (CUDA; the CPU only under the interpreter)."""
+    return device.type == "cuda" or (device.type == "cpu" and choice == "exact" and interpreting())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from specdec.models.llama import DecoderLayer
+
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
+
+
+def triton_gap(layer: nn.Module, dtype: torch.dtype) -> str | None:
+    """The feature of this decoder layer the Triton kernels do not cover, or None."""
+    attn = layer.self_attn
+    if attn.head_dim < 16 or attn.head_dim & (attn.head_dim - 1):
+        return f"head_dim {attn.head_dim} (the kernels take powers of two from 16)"
+    if dtype not in TRITON_DTYPES:
+        return f"dtype {dtype}"
+    return None
+
+
+def exact_problem(model: nn.Module, device: torch.device, dtype: torch.dtype, triton: bool) -> str | None:
+    """Why the exact kernels (Triton, or else the C kernels) cannot run `model` (None: they can)."""
+    layers = decoder_layers(model)
+    if not layers:
+        return "the exact kernels run native Llama-family models only (this is not one)"
+    if triton:
+        return triton_problem() or next((gap for gap in (triton_gap(layer, dtype) for layer in layers) if gap), None)
+    if device.type != "cpu":
+        return f"no exact kernels for {device.type} devices"
+    from specdec.models import cpu_gemm
+
+    status = cpu_gemm.build_status()
+    if not status["available"]:
+        return f"the CPU kernels could not be built ({status['error']})"
+    if dtype not in cpu_gemm.KERNEL_DTYPES:
+        return f"the CPU kernels take {' and '.join(map(str, cpu_gemm.KERNEL_DTYPES))}, not {dtype}"
+    return None
+
+
+def use_kernels(model: nn.Module, choice: str = "auto") -> KernelPath:
+    """Set which kernels run `model`'s forwards (see the module docstring) and return the path taken."""
+    if choice not in CHOICES:
+        raise UserError(f"unknown kernels {choice!r}; choose {', '.join(CHOICES)}")
+    p = next(model.parameters())
+    triton = triton_device(p.device, choice)
+    problem = None if choice == "library" else exact_problem(model, p.device, p.dtype, triton)
+    if choice == "exact" and problem:
+        raise UserError(f"kernels='exact' cannot run this model: {problem}; load it with kernels='library'")
+    if choice == "auto" and problem:
+        say_once(f"exact kernels unavailable ({problem}): running the library kernels, so greedy speculative output may differ from plain decoding")
+    exact = problem is None and choice != "library"
+    for layer in decoder_layers(model):
+        layer.kernels = "exact" if exact else "library"
+    if p.device.type == "cpu" and not triton:
+        pack_for_cpu(model, exact)
+    return kernel_path(model)
+
+
+def pack_for_cpu(model: nn.Module, exact: bool) -> None:
+    """Pack the CPU Linear layers for the C kernels (exact), or drop float packings (library: F.linear
+    runs; int8 layers, whose float weight is gone, keep theirs)."""
+    from specdec.models.linear import Linear, use_cpu_kernels
+
+    if exact:
+        use_cpu_kernels(model)
+        return
+    for module in model.modules():
+        if isinstance(module, Linear) and module.scales is None:
+            module.packed = module.packed_bias = None
+
+
+@cache
+def say_once(message: str) -> None:
+    print(f"specdec: {message}", file=sys.stderr)
+
+
+def kernel_path(model: nn.Module) -> KernelPath:
+    """The kernels `model`'s forwards over a KV cache run through."""
+    layers = decoder_layers(model)
+    p = next(model.parameters())
+    if not layers:
+        return KernelPath("transformers", False, f"transformers' own forward on {p.device.type}")
+    if runs_triton(layers[0], p.device, p.dtype):
+        return KernelPath("triton-exact", True, f"specdec Triton kernels, {p.dtype}: GEMMs in 16-row tiles for every M, "
+                                                 "no split-K; attention over each token's visible keys in fixed blocks")
+    if p.device.type == "cuda":
+        return KernelPath("cublas", False, f"cuBLAS + SDPA + torch.compile'd elementwise ops, {p.dtype}: algorithms picked per shape")
+    from specdec.models import cpu_gemm
+
+    packed = getattr(layers[0].self_attn.o_proj, "packed", None) is not None
+    if packed:
+        return KernelPath("cpu-exact", True, f"specdec C kernels ({cpu_gemm.build_status()['isa']}), {p.dtype}: fixed order per row")
+    return KernelPath("mkl", False, f"PyTorch CPU matmul (MKL) + SDPA, {p.dtype}: blocking picked per shape")
+
+
+def runs_triton(layer: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a forward of this decoder layer over a KV cache runs the Triton kernels (grad off)."""
+    if device.type == "cpu":  # the interpreter, for a model loaded with kernels="exact" (not packed for the C kernels)
+        return layer.kernels == "exact" and interpreting() and getattr(layer.self_attn.o_proj, "packed", None) is None
+    if device.type != "cuda" or layer.kernels == "library":
+        return False
+    return layer.kernels == "exact" or (triton_problem() is None and triton_gap(layer, dtype) is None)  # "auto": no loader set it
+
+
+# ----------------------------------------------------------------------------- the exact forward (Triton)
+
+
+def norm_args(norm: nn.Module) -> tuple[Tensor | None, float]:
+    """(weight, eps) of an RMSNorm to fuse; (None, 0) for an absent one (nn.Identity: EAGLE's layer 0)."""
+    weight = getattr(norm, "weight", None)
+    return weight, getattr(norm, "eps", 0.0)
+
+
+def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
+                     inv_freq: Tensor, attention_factor: float, window: int | None) -> Tensor:
+    """x [B, T, D] through decoder layers with the Triton kernels: q/k/v (+ norm, RoPE, q/k norm, KV
+    write), attention, o_proj (+ residual), gate_up (+ norm, SiLU·mul), down (+ residual): five launches
+    per layer and no other work (RoPE angles come from the positions inside the q/k/v kernel; a causal
+    block needs no visibility tables). Writes the new tokens at slots cache.lengths .. + T - 1; the
+    caller advances cache.lengths."""
+    from specdec.models import triton_ops as ops
+
+    B, T, D = x.shape
+    positions = positions.contiguous()
+    visible = None if mask is None else ops.visible_order(mask, B, T, x.device)  # what each tree node sees, shared by the layers
+    h = x.reshape(B * T, D).contiguous()  # [M, D]
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, Dh]
+        norm_weight, eps = norm_args(layer.input_layernorm)
+        q_norm = k_norm = None
+        qk_eps = 0.0
+        if attn.q_norm is not None:
+            q_norm, k_norm, qk_eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+        q = ops.qkv_rope_write(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight, eps, positions, inv_freq,
+                               attention_factor, k_cache, v_cache, cache.lengths, T, attn.num_heads, attn.num_kv_heads,
+                               q_norm, k_norm, qk_eps)  # [M, H*Dh]
+        o = ops.attention(q, k_cache, v_cache, cache.lengths, T, visible, positions, window)  # [M, H*Dh]
+        h = ops.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [M, D]
+        norm_weight, eps = norm_args(layer.post_attention_layernorm)
+        g = ops.silu_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight, eps)  # [M, I]
+        h = ops.linear(g, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)  # [M, D]
+    return h.view(B, T, D)
+
+
+def norm_exact(norm: nn.Module, x: Tensor) -> Tensor:
+    """RMSNorm of x [..., D] per row (the model's final norm)."""
+    from specdec.models import triton_ops as ops
+
+    D = x.shape[-1]
+    return ops.rms_norm(x.reshape(-1, D).contiguous(), norm.weight, norm.eps).view(x.shape)
+
+
+def logits_exact(lm_head: nn.Module, h: Tensor) -> Tensor:
+    """h [B, T, D] -> float32 logits [B, T, V], accumulated and stored in fp32."""
+    from specdec.models import triton_ops as ops
+
+    B, T, D = h.shape
+    y = ops.linear(h.reshape(B * T, D).contiguous(), lm_head.weight, lm_head.bias, out_dtype=torch.float32)
+    return y.view(B, T, -1)

@@ -1,0 +1,536 @@
+"""The exact kernel path: Triton kernels whose per-row results are bitwise the same for any number of rows,
+and the model-level promise built on them (a token's logits and hidden state do not depend on the verify
+block, tree or batch it is computed in).
+
+Kernel and model tests run on CUDA (SPECDEC_TEST_DEVICE=cuda with triton importable), or on the CPU
+under Triton's interpreter with SPECDEC_TRITON_INTERPRET=1 (float16 and float32 only: the interpreter
+holds bf16 as raw bits and does no bf16 arithmetic; fewer shapes, as it is slow). The interpreter's dot
+is numpy's BLAS, whose bits depend on a row's position in the tile (tensor cores' do not), so under the
+interpreter it is replaced by a position-independent one. Triton 3.6's interpreter needs numpy < 2.4:
+
+    SPECDEC_TRITON_INTERPRET=1 PYTHONPATH=<numpy 2.3>:<triton 3.6> python -m pytest tests/test_triton_ops.py
+
+The last tests run in the ordinary CPU suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE, TINY, build_hf, save_hf
+from specdec.errors import UserError
+from specdec.models import load_model
+from specdec.models.kernels import kernel_path, triton_problem
+from specdec.models.llama import build_attention_mask
+
+INTERPRET = os.environ.get("SPECDEC_TRITON_INTERPRET") == "1"
+ON_CUDA = torch.device(DEVICE).type == "cuda"
+
+
+def triton_skip_reason() -> str | None:
+    if not (ON_CUDA or INTERPRET):
+        return "Triton kernels run with SPECDEC_TEST_DEVICE=cuda (or SPECDEC_TRITON_INTERPRET=1 on the CPU)"
+    return triton_problem()
+
+
+needs_triton = pytest.mark.skipif(triton_skip_reason() is not None, reason=triton_skip_reason() or "")
+DTYPES = [torch.float16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}  # ||out - ref|| / ||ref||
+ROWS = (1, 2, 5, 17) if INTERPRET else (1, 2, 5, 11, 16, 33, 64)
+BLOCK_TOKENS = (1, 2, 5, 11, 16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def position_independent_interpreter_dot():
+    """Under the interpreter: a dot whose output element depends only on its row and column (as on tensor
+    cores), instead of numpy's BLAS (its micro-kernels round rows differently by position)."""
+    if not INTERPRET or triton_skip_reason() is not None:
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        out = np.einsum("ik,kj->ij", a.data.astype(acc), b.data.astype(acc), optimize=False)
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    original = interpreter.InterpreterBuilder.create_dot
+    interpreter.InterpreterBuilder.create_dot = dot
+    yield
+    interpreter.InterpreterBuilder.create_dot = original
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0) -> torch.Tensor:
+    """Drawn on the CPU in float32, then rounded and moved: the same values on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def ops():
+    from specdec.models import triton_ops
+
+    return triton_ops
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # float32 reference
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+# ------------------------------------------------------------------------------------------------- GEMMs
+
+N, K_EVEN, K_ODD, HEAD_DIM, HEADS, KV_HEADS = 72, 256, 160, 32, 6, 2
+GEMM_KINDS = ("plain", "bias", "residual", "norm", "lm_head", "silu", "qkv", "qk_norm")
+
+
+def gemm_configs():
+    """The default tiling, and a fixed split-K of 3 ranges (K_EVEN: the last range is empty; K_ODD: one
+    ragged K step per range): the deterministic split-K combine is exercised whatever the default picks."""
+    from specdec.models.triton_ops import GemmConfig
+
+    return {"default": None, "split3": GemmConfig(block_n=64, block_k=64, split_k=3, num_stages=2)}
+
+
+def gemm_case(kind: str, dtype: torch.dtype, K: int, M: int, config=None):
+    """(run(rows) -> outputs of those rows of x, float32 reference outputs of all M rows) for one fused variant."""
+    x = randn(M, K, dtype=dtype, seed=1)
+    nw = randn(K, dtype=dtype, seed=2, scale=0.2) + 1
+    ops_ = ops()
+    if kind in ("qkv", "qk_norm"):
+        return qkv_case(x, nw, dtype, K, M, kind == "qk_norm", config)
+    width = 2 * N if kind == "silu" else N
+    w = randn(width, K, dtype=dtype, seed=3, scale=K ** -0.5)
+    bias = randn(width, dtype=dtype, seed=4) if kind in ("bias", "silu") else None
+    res = randn(M, N, dtype=dtype, seed=5) if kind == "residual" else None
+    norm = nw if kind in ("norm", "lm_head", "silu") else None
+    a = rms(x, nw) if norm is not None else x.float()
+    y = a @ w.float().T + (0 if bias is None else bias.float())
+    if kind == "silu":
+        gate, up = y.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        return (lambda r: (ops_.silu_linear(x[r], w, bias, nw, 1e-6, config=config),)), (ref,)
+    if res is not None:
+        y = y + res.float()
+    out_dtype = torch.float32 if kind == "lm_head" else None
+    return (lambda r: (ops_.linear(x[r], w, bias, None if res is None else res[r], norm, 1e-6, out_dtype, config=config),)), (y,)
+
+
+def qkv_case(x, nw, dtype, K, M, qk_norm=False, config=None):
+    """q/k/v of M tokens of one batch row: q, and the cache slots the rotated k and v are written to
+    (qk_norm: with Qwen3's per-head q/k RMSNorm before RoPE)."""
+    ops_ = ops()
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    w = randn(width, K, dtype=dtype, seed=3, scale=K ** -0.5)
+    bias = randn(width, dtype=dtype, seed=4, scale=0.1)
+    q_norm = randn(HEAD_DIM, dtype=dtype, seed=6, scale=0.2) + 1 if qk_norm else None
+    k_norm = randn(HEAD_DIM, dtype=dtype, seed=7, scale=0.2) + 1 if qk_norm else None
+    start, factor = 7, 1.25
+    positions = torch.arange(start, start + M, device=DEVICE)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=DEVICE).float() / HEAD_DIM)
+    angles = positions[:, None].float() * inv_freq  # [M, Dh/2]
+    cos, sin = angles.cos() * factor, angles.sin() * factor
+    y = rms(x, nw) @ w.float().T + bias.float()
+
+    def rotate(t):  # [M, heads, Dh]
+        t1, t2 = t.chunk(2, dim=-1)
+        return torch.cat([t1 * cos[:, None] - t2 * sin[:, None], t2 * cos[:, None] + t1 * sin[:, None]], dim=-1)
+
+    q, k, v = y.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    q, k = q.view(M, HEADS, HEAD_DIM), k.view(M, KV_HEADS, HEAD_DIM)
+    if qk_norm:
+        q, k = rms(q, q_norm), rms(k, k_norm)
+    ref = (rotate(q).reshape(M, -1), rotate(k).transpose(0, 1), v.view(M, KV_HEADS, HEAD_DIM).transpose(0, 1))
+
+    def run(r: slice):
+        rows = range(M)[r]
+        caches = [torch.zeros(1, KV_HEADS, start + M, HEAD_DIM, dtype=dtype, device=DEVICE) for _ in range(2)]
+        lengths = torch.tensor([start + rows.start], device=DEVICE)
+        q = ops_.qkv_rope_write(x[r], w, bias, nw, 1e-6, positions[r][None].contiguous(), inv_freq, factor, *caches, lengths,
+                                len(rows), HEADS, KV_HEADS, q_norm, k_norm, 1e-6, config=config)
+        return q, caches[0][0, :, start + rows.start:start + rows.stop], caches[1][0, :, start + rows.start:start + rows.stop]
+
+    return run, ref
+
+
+@needs_triton
+@pytest.mark.parametrize("config", ["default", "split3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("K", [K_EVEN, K_ODD])
+@pytest.mark.parametrize("kind", GEMM_KINDS)
+def test_gemm_rows_are_invariant_and_right(kind, K, dtype, config):
+    """Each of M rows gets the bits it gets alone (M = 1), for every M, and the product is right."""
+    M = max(ROWS)
+    run, ref = gemm_case(kind, dtype, K, M, gemm_configs()[config])
+    alone = [run(slice(m, m + 1)) for m in range(M)]
+    for rows in ROWS:
+        for i, out in enumerate(run(slice(0, rows))):
+            single = torch.cat([a[i] for a in alone[:rows]], dim=-2)
+            assert torch.equal(out, single), f"{kind}: output {i} of {rows} rows differs from the rows alone"
+    full = run(slice(0, M))
+    for out, r in zip(full, ref):
+        assert relative_error(out, r) < TOLERANCE[dtype], kind
+
+
+@needs_triton
+def test_split_k_counters_are_left_at_zero():
+    """Every split-K and split-KV launch leaves the arrival counters it used at zero (the next launch
+    and every CUDA graph replay count from zero)."""
+    from specdec.models import triton_ops
+
+    run, _ = gemm_case("qkv", torch.float16, K_EVEN, 5, gemm_configs()["split3"])
+    run(slice(0, 5))
+    k = randn(1, KV_HEADS, 64, HEAD_DIM, dtype=torch.float16, seed=8)
+    q = randn(3, HEADS * HEAD_DIM, dtype=torch.float16, seed=9)
+    triton_ops.attention(q, k, k, torch.tensor([50], device=DEVICE), 3, config=triton_ops.AttentionConfig(16, 16), programs=2)
+    assert all(int(buf.abs().sum()) == 0 for bufs in triton_ops._COUNTERS.values() for buf in bufs)
+
+
+# --------------------------------------------------------------------------------------------- attention
+
+S_MAX = 192
+
+
+def random_tree(T: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ancestor mask [T, T] (node i sees itself and its ancestors; parents come first) and depths [T]."""
+    seen = torch.eye(T, dtype=torch.bool)
+    depth = torch.zeros(T, dtype=torch.long)
+    for i in range(1, T):
+        parent = int(torch.randint(0, i, (1,), generator=gen))
+        seen[i] |= seen[parent]
+        depth[i] = depth[parent] + 1
+    return seen, depth
+
+
+def attention_case(kind: str, B: int, T: int, seed: int):
+    """Cache lengths [B], positions [B, T], tree mask [B, T, W] or None for a block of T new tokens.
+    "tree-wide": W = T + 3, the first 3 tree nodes written by an earlier forward (as a drafter grows a
+    tree level by level)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.tensor([70, 5, 130][:B])  # committed chain before the window
+    if kind in ("causal", "window"):
+        return prefix, prefix[:, None] + torch.arange(T), None
+    W = T + 3 if kind == "tree-wide" else T
+    trees = [random_tree(W, gen) for _ in range(B)]
+    mask = torch.stack([seen[W - T:] for seen, _ in trees])  # [B, T, W]
+    positions = torch.stack([prefix[b] + depth[W - T:] for b, (_, depth) in enumerate(trees)])
+    return prefix + (W - T), positions, mask
+
+
+def reference_attention(q, k_cache, v_cache, lengths, T, mask, positions, window):
+    B, Hkv, S, Dh = k_cache.shape
+    H = q.shape[1] // Dh
+    slots = lengths[:, None] + torch.arange(T, device=q.device)
+    visible = build_attention_mask(lengths, slots, positions, mask, window, S)
+    qq = q.float().view(B, T, H, Dh).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qq, k_cache.float(), v_cache.float(), attn_mask=visible, enable_gqa=True)
+    return out.transpose(1, 2).reshape(B * T, H * Dh)
+
+
+def chain_alone(q_row, k_row, v_row, lengths, T, mask_row, position, window, t, config=None):
+    """Token t of one batch row computed alone (T = 1) as the chain it stands for: the slots it sees in
+    the last W moved to consecutive slots after the committed prefix, itself last."""
+    ops_ = ops()
+    W = T if mask_row is None else mask_row.shape[-1]
+    start = int(lengths) + T - W
+    seen = torch.arange(t + W - T + 1, device=DEVICE) if mask_row is None else mask_row[t].nonzero()[:, 0]
+    k, v = k_row.clone(), v_row.clone()
+    k[:, :, start:start + len(seen)] = k_row[:, :, start + seen]
+    v[:, :, start:start + len(seen)] = v_row[:, :, start + seen]
+    length = torch.tensor([start + len(seen) - 1], device=DEVICE)
+    return ops_.attention(q_row, k, v, length, 1, None, position, window, config=config)[0]
+
+
+def attention_configs():
+    """The default tiling (blocks of 64, chunks of 128: up to two chunks in S_MAX), and blocks of 16 in
+    chunks of 32 (up to six chunks: the split-KV combine, chunks per program > 1 and idle programs)."""
+    from specdec.models.triton_ops import AttentionConfig
+
+    return {"default": None, "chunk32": AttentionConfig(block_s=16, chunk=32)}
+
+
+@needs_triton
+@pytest.mark.parametrize("config", ["default", "chunk32"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("kind", ["causal", "tree", "tree-wide", "window"])
+def test_attention_tokens_are_invariant_and_right(kind, B, dtype, config):
+    """Every token of a block (causal, tree, tree grown over two forwards, sliding window; GQA; batch rows
+    of different lengths) gets the bits it gets computed alone as its chain, whatever number of programs
+    share its chunks, and the right values."""
+    ops_ = ops()
+    cfg = attention_configs()[config]
+    Dh, group = HEAD_DIM, HEADS // KV_HEADS
+    k_cache = randn(B, KV_HEADS, S_MAX, Dh, dtype=dtype, seed=11)
+    v_cache = randn(B, KV_HEADS, S_MAX, Dh, dtype=dtype, seed=12)
+    window = 9 if kind == "window" else None
+    for T in BLOCK_TOKENS[:3] if INTERPRET else BLOCK_TOKENS:
+        lengths, positions, mask = attention_case(kind, B, T, seed=T)
+        lengths, positions = lengths.to(DEVICE), positions.to(DEVICE)
+        mask = None if mask is None else mask.to(DEVICE)
+        q = randn(B * T, HEADS * Dh, dtype=dtype, seed=13 + T)
+        visible = None if mask is None else ops_.visible_order(mask, B, T, DEVICE)
+        out = ops_.attention(q, k_cache, v_cache, lengths, T, visible, positions, window, config=cfg)
+        ref = reference_attention(q, k_cache, v_cache, lengths, T, mask, positions, window)
+        assert relative_error(out, ref) < TOLERANCE[dtype], f"T={T}"
+        for programs in (1, 2, 5):
+            again = ops_.attention(q, k_cache, v_cache, lengths, T, visible, positions, window, config=cfg, programs=programs)
+            assert torch.equal(again, out), f"T={T}: {programs} programs per token change the bits"
+        for b in range(B):
+            for t in range(T):
+                m = b * T + t
+                alone = chain_alone(q[m:m + 1], k_cache[b:b + 1], v_cache[b:b + 1], lengths[b], T,
+                                    None if mask is None else mask[b], positions[b:b + 1, t:t + 1].contiguous(), window, t, cfg)
+                assert torch.equal(out[m], alone), f"T={T}, row {b}, token {t} (group of {group} heads)"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_rows_are_invariant_and_right(dtype):
+    x, w = randn(max(ROWS), 576, dtype=dtype, seed=21), randn(576, dtype=dtype, seed=22, scale=0.2) + 1
+    out = ops().rms_norm(x, w, 1e-6)
+    for rows in ROWS:
+        assert torch.equal(ops().rms_norm(x[:rows].contiguous(), w, 1e-6), out[:rows])
+    assert relative_error(out, rms(x, w)) < TOLERANCE[dtype]
+
+
+# ----------------------------------------------------------------------------------------- model level
+
+PROMPT = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """conftest's tiny random Llama (no logit sharpening: near-ties are common)."""
+    return save_hf(build_hf("llama", seed=0), tmp_path_factory.mktemp("exact") / "llama-0")
+
+
+def tokens(n: int, seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (rows, n), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def prefilled(model, rows: int = 1, prompt: torch.Tensor | None = None):
+    prompt = tokens(PROMPT, seed=1, rows=rows) if prompt is None else prompt
+    cache = model.new_cache(rows, 128)
+    model(prompt, torch.arange(PROMPT, device=DEVICE).expand(rows, -1), cache)
+    return cache
+
+
+def one_at_a_time(model, block: torch.Tensor, cache, start: int) -> list:
+    outs = []
+    for i in range(block.shape[1]):
+        outs.append(model(block[:, i:i + 1], torch.tensor([[start + i]], device=DEVICE), cache))
+    return outs
+
+
+def block_mismatches(model) -> list[str]:
+    """Where a verify block of T = 1..17 tokens disagrees with feeding its tokens one at a time."""
+    new = tokens(17, seed=2)
+    cache = prefilled(model)
+    singles = one_at_a_time(model, new, cache, PROMPT)
+    bad = []
+    for T in (1, 5, 17) if INTERPRET else range(1, 18):
+        cache.trim(torch.tensor([PROMPT], device=DEVICE))
+        out = model(new[:, :T], torch.arange(PROMPT, PROMPT + T, device=DEVICE)[None], cache)
+        for t in range(T):
+            if not (torch.equal(out.logits[0, t], singles[t].logits[0, 0]) and torch.equal(out.hidden[0, t], singles[t].hidden[0, 0])):
+                bad.append(f"T={T} token {t}")
+    return bad
+
+
+def batch_mismatches(model, rows: int) -> list[str]:
+    """Where rows of a batch (prompts of different lengths, then a 3-token block) disagree with each row alone."""
+    prompts = tokens(PROMPT, seed=3, rows=rows)
+    lengths = torch.tensor([PROMPT - (r % 7) for r in range(rows)], device=DEVICE)
+    new = tokens(3, seed=4, rows=rows)
+    cache = prefilled(model, rows, prompts)
+    cache.trim(lengths)
+    positions = lengths[:, None] + torch.arange(3, device=DEVICE)
+    out = model(new, positions, cache)
+    bad = []
+    for r in range(rows):
+        one = prefilled(model, 1, prompts[r:r + 1])
+        one.trim(lengths[r:r + 1])
+        alone = model(new[r:r + 1], positions[r:r + 1], one)
+        if not (torch.equal(out.logits[r], alone.logits[0]) and torch.equal(out.hidden[r], alone.hidden[0])):
+            bad.append(f"row {r}")
+    return bad
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=str)
+def exact_model(request, tiny_folder):
+    if triton_skip_reason() is not None:
+        pytest.skip(triton_skip_reason())
+    model = load_model(str(tiny_folder), dtype=request.param, device=DEVICE, kernels="exact")
+    assert kernel_path(model).name == "triton-exact"
+    return model
+
+
+@needs_triton
+def test_verify_blocks_equal_single_steps(exact_model):
+    assert block_mismatches(exact_model) == []
+
+
+@needs_triton
+def test_batch_rows_equal_rows_alone(exact_model):
+    assert batch_mismatches(exact_model, 5 if INTERPRET else 32) == []
+
+
+@needs_triton
+def test_tree_nodes_equal_their_chains(exact_model):
+    """A tree forward (ancestor mask, depth positions) gives each node the bits of its path fed as a
+    chain one token at a time: tree verification is as exact as chain verification."""
+    gen = torch.Generator().manual_seed(5)
+    T = 7 if INTERPRET else 15
+    seen, depth = random_tree(T, gen)
+    nodes = tokens(T, seed=6)
+    cache = prefilled(exact_model)
+    tree = exact_model(nodes, PROMPT + depth[None].to(DEVICE), cache, mask=seen[None].to(DEVICE))
+    for i in range(T):
+        cache.trim(torch.tensor([PROMPT], device=DEVICE))
+        path = seen[i].nonzero()[:, 0].to(DEVICE)
+        last = one_at_a_time(exact_model, nodes[:, path], cache, PROMPT)[-1]
+        assert torch.equal(tree.logits[0, i], last.logits[0, 0]) and torch.equal(tree.hidden[0, i], last.hidden[0, 0]), f"node {i}"
+
+
+@needs_triton
+def test_graphed_forward_equals_eager(exact_model):
+    """The exact path captures into a CUDA graph over a static cache and replays the eager bits."""
+    if not ON_CUDA:
+        pytest.skip("CUDA graphs")
+    from specdec.graphs import GraphedModel
+
+    new = tokens(4, seed=7)
+    eager = exact_model(new, torch.arange(PROMPT, PROMPT + 4, device=DEVICE)[None], prefilled(exact_model))
+    cache = exact_model.new_cache(1, 128, static=True)
+    exact_model(tokens(PROMPT, seed=1), torch.arange(PROMPT, device=DEVICE)[None], cache)
+    graphed = GraphedModel(exact_model, cache)
+    for _ in range(2):  # capture, then replay
+        cache.trim(torch.tensor([PROMPT], device=DEVICE))
+        out = graphed(new, torch.arange(PROMPT, PROMPT + 4, device=DEVICE)[None], cache)
+    assert torch.equal(out.logits, eager.logits) and torch.equal(out.hidden, eager.hidden)
+
+
+@needs_triton
+def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
+    """The checks above have the power to fail: with an LM head whose tiling depends on the number of
+    rows (split-K for blocks, as cuBLAS picks per shape), they find differences."""
+    from specdec.models import kernels, triton_ops
+
+    def logits_by_rows(lm_head, h):
+        B, T, D = h.shape
+        split = 2 if B * T > 1 else 1
+        config = triton_ops.GemmConfig(block_n=64, block_k=16, split_k=split, num_stages=2)
+        return triton_ops.linear(h.reshape(B * T, D).contiguous(), lm_head.weight, out_dtype=torch.float32,
+                                 config=config).view(B, T, -1)
+
+    monkeypatch.setattr(kernels, "logits_exact", logits_by_rows)
+    assert block_mismatches(exact_model) != []
+    assert batch_mismatches(exact_model, 3) != []
+
+
+def random_llama(dtype: torch.dtype, **dims):
+    """A native Llama with random weights (normal, std 0.02) built on DEVICE."""
+    from specdec.models.llama import LlamaModel, ModelConfig
+
+    c = ModelConfig(**{**dict(model_type="llama", vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=128,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                              rope_scaling=None, max_position_embeddings=512), **dims})
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaModel(c)
+    finally:
+        torch.set_default_dtype(default)
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.data.normal_(0, 0.02)
+    return model.eval()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the library path's variance is cuBLAS/SDPA's, on CUDA")
+def test_library_path_is_not_invariant_in_bf16():
+    """On 8B-wide layers cuBLAS and SDPA pick other kernels for a 1-token step than for a verify block
+    (gemv / split-K vs tiled GEMMs), so the same checks find differences on the library path."""
+    from specdec.models.kernels import use_kernels
+
+    model = random_llama(torch.bfloat16, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                         head_dim=128)
+    assert use_kernels(model, "library").name == "cublas"
+    assert block_mismatches(model) + batch_mismatches(model, 8) != []
+
+
+@needs_triton
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_exact_path_matches_the_library_path(model_type, tmp_path):
+    """The exact kernels compute the same model as the library path (float32, up to rounding), Qwen3's
+    per-head q/k norm and RoPE scaling included, and stay block-invariant there."""
+    folder = save_hf(build_hf(model_type, seed=0, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}),
+                     tmp_path / model_type)
+    exact = load_model(str(folder), dtype="float32", device=DEVICE, kernels="exact")
+    library = load_model(str(folder), dtype="float32", device=DEVICE, kernels="library")
+    assert kernel_path(exact).name == "triton-exact"
+    prompt = tokens(PROMPT, seed=8)
+    positions = torch.arange(PROMPT, device=DEVICE)[None]
+    out = exact(prompt, positions, exact.new_cache(1, 64))
+    ref = library(prompt, positions, library.new_cache(1, 64))
+    assert relative_error(out.logits, ref.logits) < 1e-4 and relative_error(out.hidden, ref.hidden) < 1e-4
+    if model_type == "qwen3":
+        assert block_mismatches(exact) == []
+
+
+@pytest.mark.skipif(not ON_CUDA or triton_skip_reason() is not None, reason="CUDA with triton")
+def test_exact_refuses_uncovered_features(tmp_path):
+    folder = save_hf(build_hf("llama", head_dim=24), tmp_path / "llama-24")
+    with pytest.raises(UserError, match="head_dim 24.*kernels='library'"):
+        load_model(str(folder), dtype="bfloat16", device=DEVICE, kernels="exact")
+    assert kernel_path(load_model(str(folder), dtype="bfloat16", device=DEVICE)).name == "cublas"  # auto
+
+
+# ---------------------------------------------------------------------------------------- the CPU suite
+
+
+def test_exact_on_cpu_needs_no_triton(tmp_path):
+    """`import specdec` and kernels="exact" on the CPU (the C kernels) work where triton is not installed."""
+    folder = save_hf(build_hf("llama", seed=0), tmp_path / "llama")
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # any `import triton` now fails
+        "import torch, specdec\n"
+        "from specdec.models.kernels import kernel_path\n"
+        "from specdec.models.cpu_gemm import build_status\n"
+        f"model = specdec.load_model({str(folder)!r}, dtype='float32', device='cpu', kernels='exact')\n"
+        "cache = model.new_cache(1, 8)\n"
+        "out = model(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache)\n"
+        "assert out.logits.shape == (1, 3, 96)\n"
+        "print(kernel_path(model).name, build_status()['available'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("SPECDEC_TRITON_INTERPRET", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if "could not be built" in done.stderr:
+        pytest.skip("no C compiler here: kernels='exact' is refused on the CPU, as it should be")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cpu-exact", "True"]
+
+
+def test_library_and_unknown_kernels_on_cpu(tmp_path):
+    folder = save_hf(build_hf("llama", seed=0), tmp_path / "llama")
+    model = load_model(str(folder), dtype="float32", device="cpu", kernels="library")
+    assert kernel_path(model).name == "mkl" and not kernel_path(model).exact
+    assert model.layers[0].self_attn.o_proj.packed is None
+    assert set(kernel_path(model).to_dict()) == {"name", "exact", "detail"}
+    with pytest.raises(UserError, match="unknown kernels"):
+        load_model(str(folder), dtype="float32", device="cpu", kernels="fast")
