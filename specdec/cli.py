@@ -18,6 +18,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "exact", "library"),
+                   help="exact: block- and batch-invariant kernels (greedy speculation equals plain decoding bit for "
+                        "bit); library: cuBLAS/MKL + SDPA; auto (default): exact where available")
 
 
 DRAFTER_HELP = ("none, ngram, draft_model, eagle, medusa (trained; shipped for the default model), "
@@ -294,6 +297,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdec.drafters import DrafterOptions
     from specdec.engine import SpecEngine
     from specdec.models import load_model
+    from specdec.models.kernels import kernel_path
 
     prompt = read_prompt(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
@@ -302,7 +306,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
     check_drafter_args(args)
     extra = drafter_extra(args)
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -317,6 +321,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "gamma": args.gamma,
         "device": str(engine.device),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
+        "kernels": kernel_path(target).to_dict(),
         "text": row.text,
         "token_ids": row.token_ids,
         "finish_reason": row.finish_reason,
@@ -350,6 +355,7 @@ def format_stats(report: dict) -> str:
     rows = [
         ("drafter / gamma", f"{report['drafter']} / {report['gamma']}"),
         ("device / dtype", f"{report['device']} / {report['dtype']}"),
+        ("kernels", f"{report['kernels']['name']} ({'' if report['kernels']['exact'] else 'not '}block/batch-invariant)"),
         ("tokens emitted", s["emitted"]),
         ("target steps", s["steps"]),
         ("drafted / accepted", f"{s['drafted']} / {s['accepted']}"),
@@ -384,7 +390,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
         repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
-        dtype=args.dtype, device=args.device, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        dtype=args.dtype, device=args.device, kernels=args.kernels, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
     )
     results = run_bench(config, progress=not args.json)
@@ -404,11 +410,13 @@ def run_demo(args: argparse.Namespace) -> int:
     task = load_tasks("gsm8k-eval", limit=1)[0]
     print(f"GSM8K question: {task.prompt}\n", flush=True)
     code = main(["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                 "--kernels", args.kernels,
                  "--drafter", "ngram", "--gamma", "4", "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"])
     if code:
         return code
     print(f"\nBench: {args.limit} GSM8K prompts, ngram drafter at gammas 1-8 vs plain decoding and transformers\n", flush=True)
     return main(["bench", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
+                 "--kernels", args.kernels,
                  "--device", args.device, "--drafters", "ngram", "--gammas", "1,2,3,4,6,8", "--peers", "hf,hf-pld",
                  "--pld-gammas", "4", "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 

@@ -16,8 +16,8 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.drafters.base import DecodeState, Proposal
-from specdec.drafters.ngram import find_continuation
+from specdec.drafters.base import DraftShape, Proposal, Stateless
+from specdec.drafters.ngram import find_continuations
 from specdec.verify import TreeSpec
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
@@ -28,33 +28,28 @@ DEPTHS = [1, 1, 2, 2, 2, 3, 3, 4]
 MAIN = [0, 2, 5, 7]
 
 
-class TreeDrafter:
+class TreeDrafter(Stateless):
     name = "test_tree"
+    graphable = False  # its random side branches come from numpy
 
     def __init__(self, vocab: int, sampled: bool, seed: int = 0) -> None:
         self.vocab, self.sampled = vocab, sampled
         self.rng = np.random.default_rng(seed)
 
-    def max_tokens(self, gamma: int) -> int:
-        return len(PARENTS)
+    def shape(self, gamma: int) -> DraftShape:
+        return DraftShape(width=len(PARENTS), depth=min(gamma, max(DEPTHS)), tree=True)
 
-    def prefill(self, state: DecodeState) -> None:
-        pass
-
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        B, N = state.batch_size, len(PARENTS)
-        tokens = self.rng.integers(0, self.vocab, size=(B, N))
+    def propose(self, batch, gamma: int, u) -> Proposal:
+        B, N = batch.capacity, len(PARENTS)
+        tokens = torch.tensor(self.rng.integers(0, self.vocab, size=(B, N)), device=DEVICE)
         if not self.sampled:  # deterministic nodes may be anything; sampled ones must really come from q
-            for b, row in enumerate(state.tokens):
-                found = find_continuation(np.asarray(row), len(MAIN), 3, 1)
-                tokens[b, MAIN[: len(found)]] = found
-        num_nodes = sum(d <= k for d in DEPTHS)  # never deeper than the engine allows
-        tree = TreeSpec(torch.tensor([PARENTS] * B, device=DEVICE), torch.full((B,), num_nodes, device=DEVICE))
-        probs = torch.full((B, N, self.vocab), 1.0 / self.vocab, device=DEVICE) if self.sampled else None
-        return Proposal(tokens=torch.tensor(tokens, device=DEVICE), probs=probs, tree=tree)
-
-    def commit(self, state: DecodeState, result) -> None:
-        pass
+            lookup, found = find_continuations(batch.tokens, batch.length, len(MAIN), 3, 1)
+            tokens[:, MAIN] = torch.where(found[:, None], lookup, tokens[:, MAIN])
+        depth = self.shape(gamma).depth
+        num_nodes = sum(d <= depth for d in DEPTHS)  # never deeper than the step allows
+        tree = TreeSpec(torch.tensor([PARENTS] * B, device=DEVICE), torch.full((B,), num_nodes, device=DEVICE), depth, 2)
+        q = torch.full((B, N, self.vocab), 1.0 / self.vocab, device=DEVICE) if self.sampled else None
+        return Proposal(tokens=tokens, q=q, tree=tree)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

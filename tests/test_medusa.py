@@ -63,12 +63,19 @@ def test_medusa_reads_the_feature_of_the_last_kept_token(models):  # noqa: F811
     drafter = MedusaDrafter(target, random_heads(target), MedusaTree.of(DEFAULT_TREE, 4))
     seen = []
     propose = drafter.propose
-    drafter.propose = lambda state, k: seen.append(([list(t) for t in state.tokens], drafter.features.clone())) or propose(state, k)
-    out = specdec.SpecEngine(target, drafter).generate(PROMPTS, specdec.SpecConfig(gamma=4, max_new_tokens=MAX_NEW))
+
+    def spy(batch, gamma, u):
+        rows = [batch.tokens[b, : int(batch.length[b])].tolist() for b in range(batch.capacity)]
+        seen.append((rows, batch.active.tolist(), batch.draft.clone()))  # batch.draft: the features [B, D]
+        return propose(batch, gamma, u)
+
+    drafter.propose = spy
+    engine = specdec.SpecEngine(target, drafter, graphs=False)  # the spy reads rows back: eager steps
+    out = engine.generate(PROMPTS, specdec.SpecConfig(gamma=4, max_new_tokens=MAX_NEW))
     assert out.stats.accepted > 0 and len(seen) > 2
-    for tokens, features in seen:
+    for tokens, active, features in seen:
         for b, ids in enumerate(tokens):
-            if len(ids) - len(PROMPTS[b]) >= MAX_NEW:
+            if not active[b]:
                 continue  # finished rows keep their last feature
             cache = target.new_cache(1, len(ids))
             hidden = target(torch.tensor([ids], device=DEVICE), torch.arange(len(ids), device=DEVICE)[None], cache).hidden

@@ -14,10 +14,11 @@ from scipy.stats import chi2_contingency
 from torch import Tensor
 
 import specdec
-import specdec.engine
+import specdec.verify
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.engine import GenerateOutput
+from specdec.sampling import sample
 from specdec.verify import VerifyResult
 
 VOCAB = 12  # small, so each position has few likely tokens and the tests have power
@@ -93,19 +94,19 @@ def test_speculative_sampling_matches_plain_sampling(models, plain_tokens, draft
     assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues  # Bonferroni over the checks
 
 
-def always_accept(draft_tokens, q, p, generator, num_drafted=None) -> VerifyResult:
+def always_accept(draft_tokens, q, p, u, num_drafted=None) -> VerifyResult:
     """A broken verifier: keeps every proposed draft (draft_tokens [B, k]), then samples the bonus
-    token from p [B, k+1, V]."""
+    token from p [B, k+1, V] with u [B, k+1]."""
     B, k = draft_tokens.shape
     rows = torch.arange(B, device=p.device)
     num_accepted = torch.full((B,), k, device=p.device) if num_drafted is None else num_drafted  # [B]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, k+1]
-    tokens[rows, num_accepted] = torch.multinomial(p[rows, num_accepted], 1, generator=generator).squeeze(-1)
+    tokens[rows, num_accepted] = sample(p[rows, num_accepted], u[:, k])
     return VerifyResult(tokens=tokens, num_accepted=num_accepted)
 
 
 @pytest.mark.parametrize("drafter, seed", [("ngram", 2), ("draft_model", 3)])
 def test_a_broken_verifier_is_caught(models, plain_tokens, drafter, seed, monkeypatch):
-    monkeypatch.setattr(specdec.engine, "rejection_sample", always_accept)
+    monkeypatch.setattr(specdec.verify, "rejection_sample", always_accept)
     pvalues = distribution_pvalues(tokens_of(generate(models, drafter, seed)), plain_tokens)
     assert min(pvalues.values()) < ALPHA, pvalues

@@ -261,7 +261,8 @@ def test_disconnect_cancels_the_request_and_frees_its_row(server):
     scheduler.resume()
     wait_until(lambda: scheduler.num_running == 0)
     after = metrics(url)
-    assert after["specdec_requests_running"] == 0 and int(scheduler.cache.lengths.sum()) == 0
+    assert after["specdec_requests_running"] == 0 and not scheduler.batch.active.any()
+    assert scheduler.batch.free_slots() == list(range(scheduler.batch.capacity))
     assert after['specdec_requests_total{status="finished"}'] == before['specdec_requests_total{status="finished"}']
     assert after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"] < 240
 
@@ -281,20 +282,22 @@ def test_a_client_gone_before_its_turn_leaves_the_queue(server):
 
 
 class PoisonedDrafter:
-    """ngram, except that it raises for any row whose prompt holds the token POISON."""
+    """ngram, except that it raises while an active row's prompt holds the token POISON."""
 
     name = "ngram"
+    graphable = False  # reads the rows back to decide
 
     def __init__(self, inner, poison: int) -> None:
         self.inner, self.poison = inner, poison
 
-    def max_tokens(self, gamma: int) -> int:
-        return gamma
+    def __getattr__(self, name):  # shape, attach, join, commit: ngram's
+        return getattr(self.inner, name)
 
-    def propose(self, state, k):
-        if any(self.poison in row[:n] for row, n in zip(state.tokens, state.prompt_lengths)):
+    def propose(self, batch, gamma, u):
+        active = batch.active.tolist()
+        if any(self.poison in row.request.prompt for slot, row in batch.rows.items() if active[slot]):
             raise RuntimeError("poisoned row")
-        return self.inner.propose(state, k)
+        return self.inner.propose(batch, gamma, u)
 
 
 def test_a_failing_request_fails_alone(model):
@@ -397,8 +400,8 @@ def test_serve_cli_errors_are_one_line(capsys, monkeypatch):
     import specdec.server.cli as server_cli
     from specdec.cli import main
 
-    assert main(["serve", "--drafter", "eagle"]) == 2
-    assert "supports the drafters none, ngram" in capsys.readouterr().err
+    assert main(["serve", "--drafter", "eagles"]) == 2
+    assert "unknown drafter 'eagles'" in capsys.readouterr().err
     assert main(["serve", "--spec-policy", "sometimes"]) == 2
     assert "unknown speculation policy" in capsys.readouterr().err
     real = server_cli.importlib.util.find_spec

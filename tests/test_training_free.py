@@ -14,6 +14,7 @@ from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
 from specdec.adaptive import CostModel, GammaPolicy, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
+from specdec.drafters.base import Proposal
 from specdec.drafters.lookahead import LookaheadConfig, LookaheadDrafter, add_to_pool
 from specdec.models.views import int8_copy, layer_subset
 from specdec.tune import neighbours, structured_candidates
@@ -44,24 +45,27 @@ def test_greedy_equals_plain(deep, drafter, extra, gamma, batch):
 
 
 def test_lookahead_takes_a_step_without_a_proposal():
-    """The cost policy may choose gamma 0 for an active row: the engine then verifies no draft and
-    commits a one-entry block. Lookahead must not read the previous step's window nodes then."""
-    from specdec.drafters.base import DecodeState
-    from specdec.verify import VerifyResult
+    """The cost policy may choose gamma 0 for a step: the step then verifies no draft and commits a
+    one-entry block. Lookahead must not read the previous step's window nodes then."""
+    from specdec.batch import Request, RowBatch, append
+    from specdec.drafters.base import Verified
 
     V = 16
     drafter = LookaheadDrafter(LookaheadConfig(window=3, ngram=3, guesses=2))
-    state = DecodeState(tokens=[[1, 2, 3, 1, 2]], prompt_lengths=[5], active=[True], sampling=SamplingParams(),
-                        generator=torch.Generator(), device=torch.device("cpu"), max_len=64)
-    drafter.prefill(state)
-    proposal = drafter.propose(state, 3)
-    state.target_logits = torch.randn(1, proposal.tokens.shape[1] + 1, V)  # a step that verified the tree
-    state.tokens[0].append(7)
-    drafter.commit(state, VerifyResult(tokens=torch.tensor([[7]]), num_accepted=torch.tensor([0])))
-    state.target_logits = torch.randn(1, 1, V)  # the next step proposed nothing: the pending token alone
-    state.tokens[0].append(9)
-    drafter.commit(state, VerifyResult(tokens=torch.tensor([[9]]), num_accepted=torch.tensor([0])))
-    assert drafter.propose(state, 3).tokens.shape[1] >= 1
+    batch = RowBatch(1, 64, [], torch.device("cpu"))
+    drafter.attach(batch)
+    batch.occupy([0], [Request([1, 2, 3, 1], max_new_tokens=8)])
+    append(batch, torch.tensor([[2]]), torch.tensor([1]))
+    drafter.join(batch, torch.tensor([0]), torch.zeros(1, 4, 8))
+    proposal = drafter.propose(batch, 3, None)
+    append(batch, torch.tensor([[7]]), torch.tensor([1]))  # a step that verified the tree and kept one token
+    one = torch.tensor([1])
+    tree_logits = torch.randn(1, proposal.tokens.shape[1] + 1, V)
+    drafter.commit(batch, Verified(proposal, torch.tensor([0]), one, torch.zeros(1, 1, 8), tree_logits))
+    append(batch, torch.tensor([[9]]), one)  # the next step proposed nothing: the pending token alone
+    empty = Proposal(torch.zeros(1, 0, dtype=torch.long))
+    drafter.commit(batch, Verified(empty, torch.tensor([0]), one, torch.zeros(1, 1, 8), torch.randn(1, 1, V)))
+    assert drafter.propose(batch, 3, None).tokens.shape[1] >= 1
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "confidence", "cost"])

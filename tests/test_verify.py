@@ -8,8 +8,10 @@ distributed exactly as p[j] (Leviathan et al. 2023, Theorem 1); that covers acce
 bonus tokens alike. A chi-square goodness-of-fit test with threshold 1e-3 checks it; broken verifiers
 defined below must fail the same check, which shows the test has power.
 
-Everything runs on DEVICE with generators on DEVICE: CPU and CUDA draw different samples from the same
-seed, and the checks hold for either stream (no test asserts a particular draw).
+The verifiers' randomness is uniforms from `sampling.uniforms` (one seed per trial row), the same on CPU
+and CUDA; test data (p, q, drafts) comes from generators on DEVICE, which differ between CPU and CUDA,
+so no test asserts a particular draw. Also: mixed greedy / sampled batches (`verify_chain`), and the
+graph-safety guard around every verifier.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from scipy.stats import chisquare
 from torch import Tensor
 
 from conftest import DEVICE, seeded_generator
-from specdec.verify import VerifyResult, count_accepted, greedy_verify, rejection_sample
+from specdec.config import SamplingParams
+from specdec.sampling import RowSampling, logits_to_probs, sample, uniforms
+from specdec.verify import VerifyResult, count_accepted, greedy_verify, rejection_sample, remove_rejected, verify_chain
+from test_sampling import no_host_sync
 
 V = 6  # vocabulary of the statistical tests
 TRIALS = 20_000  # batch rows = independent trials
@@ -91,6 +96,10 @@ def pooled_chisquare(tokens: Tensor, probs: Tensor) -> float:
     tokens, probs = tokens.cpu(), probs.cpu()
     observed = torch.bincount(tokens, minlength=probs.shape[0]).double()  # [V]
     expected = probs.double() * tokens.shape[0]  # [V]
+    impossible = expected == 0  # tokens a filter removed (top-p): never drawn, else the check fails outright
+    if observed[impossible].sum() > 0:
+        return 0.0
+    observed, expected = observed[~impossible], expected[~impossible]
     small = expected < MIN_EXPECTED
     if small.any():
         observed = torch.cat([observed[~small], observed[small].sum()[None]])
@@ -110,25 +119,30 @@ def expand(dist: Tensor) -> Tensor:
     return dist.expand(TRIALS, *dist.shape)
 
 
+def trial_uniforms(n: int, seed: int, rows: int = TRIALS) -> Tensor:
+    """[rows, n] uniforms, each row its own stream (as each request has its own seed)."""
+    seeds = torch.arange(rows, device=DEVICE) + seed * rows
+    return uniforms(seeds, torch.zeros(rows, dtype=torch.long, device=DEVICE), n)
+
+
 # ---------------------------------------------------------------- broken verifiers (must be caught)
 
 
-def chain_verify(draft_tokens: Tensor, q: Tensor, p: Tensor, generator: torch.Generator, accept_prob, recover) -> VerifyResult:
+def chain_verify(draft_tokens: Tensor, q: Tensor, p: Tensor, u: Tensor, accept_prob, recover) -> VerifyResult:
     """A naive chain verifier with pluggable rules, to build broken variants from.
 
-    draft_tokens [B, k], q [B, k, V], p [B, k+1, V]; accept_prob(p_x, q_x) -> [B, k] probabilities;
-    recover(p_j, q_j) -> [B, V] distribution sampled from at the first rejection."""
+    draft_tokens [B, k], q [B, k, V], p [B, k+1, V], u [B, k+1]; accept_prob(p_x, q_x) -> [B, k]
+    probabilities; recover(p_j, q_j) -> [B, V] distribution sampled from at the first rejection."""
     B, k = draft_tokens.shape
     rows = torch.arange(B, device=p.device)
     p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
     q_draft = q.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
-    u = torch.rand(B, k, generator=generator, device=p.device)  # [B, k]
-    num_accepted = (u < accept_prob(p_draft, q_draft)).long().cumprod(-1).sum(-1)  # [B]
+    num_accepted = (u[:, :k] < accept_prob(p_draft, q_draft)).long().cumprod(-1).sum(-1)  # [B]
     rejected = (num_accepted < k)[:, None]  # [B, 1]
     at = num_accepted.clamp(max=k - 1)  # [B]
     p_next = torch.where(rejected, recover(p[rows, num_accepted], q[rows, at]), p[rows, num_accepted])  # [B, V]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)  # [B, k+1]
-    tokens[rows, num_accepted] = torch.multinomial(p_next, 1, generator=generator).squeeze(-1)
+    tokens[rows, num_accepted] = sample(p_next, u[:, k])
     return VerifyResult(tokens=tokens, num_accepted=num_accepted)
 
 
@@ -137,18 +151,18 @@ def residual(p: Tensor, q: Tensor) -> Tensor:
     return r / r.sum(-1, keepdim=True)
 
 
-def always_accept(draft_tokens, q, p, generator) -> VerifyResult:
-    return chain_verify(draft_tokens, q, p, generator, lambda px, qx: torch.ones_like(px), residual)
+def always_accept(draft_tokens, q, p, u) -> VerifyResult:
+    return chain_verify(draft_tokens, q, p, u, lambda px, qx: torch.ones_like(px), residual)
 
 
-def recover_from_p(draft_tokens, q, p, generator) -> VerifyResult:
+def recover_from_p(draft_tokens, q, p, u) -> VerifyResult:
     """Right acceptance rule, but a rejection resamples from p instead of norm(max(p - q, 0))."""
-    return chain_verify(draft_tokens, q, p, generator, lambda px, qx: (px / qx).clamp(max=1), lambda pj, qj: pj)
+    return chain_verify(draft_tokens, q, p, u, lambda px, qx: (px / qx).clamp(max=1), lambda pj, qj: pj)
 
 
-def inverted_ratio(draft_tokens, q, p, generator) -> VerifyResult:
+def inverted_ratio(draft_tokens, q, p, u) -> VerifyResult:
     """Accepts with min(1, q/p) instead of min(1, p/q)."""
-    return chain_verify(draft_tokens, q, p, generator, lambda px, qx: (qx / px).clamp(max=1), residual)
+    return chain_verify(draft_tokens, q, p, u, lambda px, qx: (qx / px).clamp(max=1), residual)
 
 
 # ---------------------------------------------------------------- losslessness of rejection_sample
@@ -158,7 +172,7 @@ def run_verifier(verifier, k: int, seed: int) -> tuple[VerifyResult, Tensor]:
     """Random p [k+1, V], q [k, V]; drafts from q; one verifier call over TRIALS rows -> (result, p)."""
     g = seeded_generator(seed)
     p, q = random_dists(k + 1, g), random_dists(k, g)
-    result = verifier(draw_drafts(q, g), expand(q), expand(p), g)
+    result = verifier(draw_drafts(q, g), expand(q), expand(p), trial_uniforms(k + 1, seed))
     return result, p
 
 
@@ -177,8 +191,8 @@ def test_broken_verifiers_are_caught(broken, k):
     assert position_pvalues(result, p)[0] < ALPHA
 
 
-def correct_chain_verify(draft_tokens, q, p, generator) -> VerifyResult:
-    return chain_verify(draft_tokens, q, p, generator, lambda px, qx: (px / qx).clamp(max=1), residual)
+def correct_chain_verify(draft_tokens, q, p, u) -> VerifyResult:
+    return chain_verify(draft_tokens, q, p, u, lambda px, qx: (px / qx).clamp(max=1), residual)
 
 
 def test_chain_verify_with_correct_rules_passes():
@@ -196,7 +210,7 @@ def test_deterministic_drafts_emit_the_target_distribution(k):
     likely = p[:k].argmax(-1).expand(TRIALS, k)  # [B, k] the most likely token: mostly accepted
     varied = torch.randint(0, V, (TRIALS, k), generator=g, device=DEVICE)  # [B, k] arbitrary guesses: often rejected
     drafts = torch.where(torch.rand(TRIALS, 1, generator=g, device=DEVICE) < 0.5, likely, varied)  # [B, k]
-    result = rejection_sample(drafts, None, expand(p), g)
+    result = rejection_sample(drafts, None, expand(p), trial_uniforms(k + 1, seed=2))
     pvalues = position_pvalues(result, p)
     assert min(pvalues) > ALPHA / len(pvalues), pvalues  # Bonferroni: the test as a whole fails < 1 in 1000 runs
 
@@ -206,7 +220,7 @@ def test_deterministic_drafts_always_accepted_are_caught():
     p = random_dists(2, g)  # [2, V]
     drafts = torch.zeros(TRIALS, 1, dtype=torch.long, device=DEVICE)  # [B, 1]
     one_hot = torch.zeros(TRIALS, 1, V, device=DEVICE).scatter(-1, drafts[..., None], 1.0)  # [B, 1, V]
-    result = always_accept(drafts, one_hot, expand(p), g)
+    result = always_accept(drafts, one_hot, expand(p), trial_uniforms(2, seed=2))
     assert position_pvalues(result, p)[0] < ALPHA
 
 
@@ -220,7 +234,7 @@ def test_rows_with_fewer_drafts_emit_the_target_distribution(with_q):
     num_drafted = torch.randint(0, k + 1, (TRIALS,), generator=g, device=DEVICE)  # [B]
     padded = torch.arange(k, device=DEVICE) >= num_drafted[:, None]  # [B, k]
     drafts = torch.where(padded, p[:k].argmax(-1).expand(TRIALS, k), draw_drafts(q, g))  # [B, k]
-    result = rejection_sample(drafts, expand(q) if with_q else None, expand(p), g, num_drafted)
+    result = rejection_sample(drafts, expand(q) if with_q else None, expand(p), trial_uniforms(k + 1, seed=3), num_drafted)
     assert (result.num_accepted <= num_drafted).all()
     pvalues = position_pvalues(result, p)
     assert min(pvalues) > ALPHA / len(pvalues), pvalues  # Bonferroni: the test as a whole fails < 1 in 1000 runs
@@ -237,7 +251,8 @@ def bonus_tokens(result: VerifyResult, num_drafted: Tensor, n: int) -> Tensor:
 def test_rows_with_no_drafts_sample_from_p():
     g = seeded_generator(4)
     p = random_dists(1, g)  # [1, V]
-    result = rejection_sample(torch.zeros(TRIALS, 0, dtype=torch.long, device=DEVICE), None, expand(p), g)
+    no_drafts = torch.zeros(TRIALS, 0, dtype=torch.long, device=DEVICE)
+    result = rejection_sample(no_drafts, None, expand(p), trial_uniforms(1, seed=4))
     assert result.tokens.shape == (TRIALS, 1)
     assert (result.num_accepted == 0).all()
     assert pooled_chisquare(result.tokens[:, 0], p[0]) > ALPHA
@@ -247,6 +262,113 @@ def test_identical_draft_and_target_accepts_everything():
     g = seeded_generator(5)
     p = random_dists(3, g)  # [3, V]
     drafts = draw_drafts(p[:2], g)  # [B, 2]
-    result = rejection_sample(drafts, expand(p[:2]), expand(p), g)
+    result = rejection_sample(drafts, expand(p[:2]), expand(p), trial_uniforms(3, seed=5))
     assert (result.num_accepted == 2).all()
     assert torch.equal(result.tokens[:, :2], drafts)
+
+
+# ---------------------------------------------------------------- mixed greedy / sampled batches
+
+MIXED = [  # a batch's rows: greedy and sampled, each with its own parameters
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.8),
+    SamplingParams(temperature=0.0, top_k=2),
+    SamplingParams(temperature=1.3, top_k=3, min_p=0.05),
+]
+
+
+def mixed_batch(k: int, seed: int, vocab: int = 8):
+    """Logits [B, k+1, V], drafts [B, k] (often the target's argmax, so greedy rows accept some),
+    q [B, k, V], num_drafted [B] for the MIXED rows."""
+    g = seeded_generator(seed)
+    B = len(MIXED)
+    logits = 2 * torch.randn(B, k + 1, vocab, generator=g, device=DEVICE)
+    q = (2 * torch.randn(B, k, vocab, generator=g, device=DEVICE)).softmax(-1)
+    guess = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).view(B, k)
+    agree = torch.rand(B, k, generator=g, device=DEVICE) < 0.6
+    drafts = torch.where(agree, logits[:, :k].argmax(-1), guess)
+    num_drafted = torch.tensor([k, k, k - 1, k, 0], device=DEVICE)
+    return logits, drafts, q, num_drafted
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_mixed_rows_verify_as_if_alone(with_q):
+    """Greedy rows give exactly greedy_verify (whatever u); sampled rows give exactly rejection_sample
+    with their own SamplingParams, as if each row were verified alone."""
+    k = 4
+    logits, drafts, q, num_drafted = mixed_batch(k, seed=6)
+    q = q if with_q else None
+    rows = RowSampling.of(MIXED, DEVICE)
+    for seed in range(3):
+        u = trial_uniforms(k + 1, seed, rows=len(MIXED))
+        if seed == 2:
+            u = torch.full_like(u, 1 - 2**-24)  # the extreme uniforms change nothing for greedy rows
+        result = verify_chain(drafts, q, logits, rows, u, num_drafted, any_sampled=True)
+        greedy = greedy_verify(drafts, logits, num_drafted)
+        for b, params in enumerate(MIXED):
+            one = slice(b, b + 1)
+            if params.greedy:
+                expected = VerifyResult(greedy.tokens[one], greedy.num_accepted[one])
+            else:
+                p = logits_to_probs(logits[one], params)
+                expected = rejection_sample(drafts[one], None if q is None else q[one], p, u[one], num_drafted[one])
+            n = int(expected.num_accepted)
+            assert result.num_accepted[b] == n, (b, seed)
+            assert torch.equal(result.tokens[b, : n + 1], expected.tokens[0, : n + 1]), (b, seed)
+
+
+def test_an_all_greedy_batch_skips_the_probabilities(monkeypatch):
+    import specdec.verify as verify
+
+    def no_probs(*args):
+        raise AssertionError("probabilities computed for an all-greedy batch")
+
+    monkeypatch.setattr(verify, "sampled_probs", no_probs)
+    k = 3
+    logits, drafts, q, num_drafted = mixed_batch(k, seed=7)
+    rows = RowSampling.of([SamplingParams()] * len(MIXED), DEVICE)
+    u = trial_uniforms(k + 1, 0, rows=len(MIXED))
+    result = verify_chain(drafts, q, logits, rows, u, num_drafted, any_sampled=False)
+    greedy = greedy_verify(drafts, logits, num_drafted)
+    assert torch.equal(result.tokens, greedy.tokens) and torch.equal(result.num_accepted, greedy.num_accepted)
+
+
+def test_mixed_batch_sampled_rows_emit_the_target_distribution():
+    """verify_chain over TRIALS rows alternating greedy and sampled: the sampled rows emit p at every
+    position they reach, the greedy rows the argmax."""
+    k = 2
+    g = seeded_generator(8)
+    target_logits = 1.5 * torch.randn(k + 1, V, generator=g, device=DEVICE)  # [k+1, V]
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    p = logits_to_probs(target_logits, params)  # [k+1, V]
+    q = random_dists(k, g)
+    drafts = draw_drafts(q, g)
+    rows = RowSampling.of([SamplingParams(), params] * (TRIALS // 2), DEVICE)
+    result = verify_chain(drafts, expand(q), expand(target_logits), rows, trial_uniforms(k + 1, seed=8), None, True)
+    sampled = VerifyResult(result.tokens[1::2], result.num_accepted[1::2])
+    pvalues = position_pvalues(sampled, p)
+    assert min(pvalues) > ALPHA / len(pvalues), pvalues
+    greedy = greedy_verify(drafts[::2], expand(target_logits)[::2])
+    assert torch.equal(result.tokens[::2], greedy.tokens) and torch.equal(result.num_accepted[::2], greedy.num_accepted)
+
+
+# ---------------------------------------------------------------- graph safety
+
+
+def test_chain_verification_is_graph_safe():
+    k = 3
+    logits, drafts, q, num_drafted = mixed_batch(k, seed=9)
+    rows = RowSampling.of(MIXED, DEVICE)
+    u = trial_uniforms(k + 1, 0, rows=len(MIXED))
+    p = logits_to_probs(logits, rows)
+    with no_host_sync():
+        count_accepted(drafts > 0, num_drafted)
+        remove_rejected(p[:, 0], q[:, 0])
+        greedy_verify(drafts, logits, num_drafted)
+        greedy_verify(drafts, logits)
+        rejection_sample(drafts, q, p, u, num_drafted)
+        rejection_sample(drafts, None, p, u)
+        rejection_sample(drafts[:, :0], None, p[:, :1], u[:, :1])
+        verify_chain(drafts, q, logits, rows, u, num_drafted, any_sampled=True)
+        verify_chain(drafts, None, logits, rows, u, None, any_sampled=False)

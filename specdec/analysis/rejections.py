@@ -263,7 +263,7 @@ def tree_as_chain(step: StepRecord) -> StepRecord:
     nodes = torch.cat([path[:, 1:], path[:, :1]], dim=1)  # [B, D]: accepted node blocks, then a slot
     nodes.scatter_(1, result.num_accepted[:, None], first_child[:, None])
     chain = (nodes - 1).clamp(min=0)  # [B, D] node indices
-    drafted = result.num_accepted + has_child.long()
+    drafted = torch.minimum(result.num_accepted + has_child.long(), step.num_drafted)  # never past the row's budget
     # chain node i follows path[i]: the target's distribution there is what it was verified against
     logits = step.target_logits.gather(1, path[..., None].expand(-1, -1, step.target_logits.shape[-1]))
     q = None if step.q is None else step.q.gather(1, chain[..., None].expand(-1, -1, step.q.shape[-1]))

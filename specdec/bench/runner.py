@@ -38,6 +38,8 @@ from specdec.drafters.draft_model import is_shared_draft, load_draft
 from specdec.engine import SpecEngine
 from specdec.errors import UserError
 from specdec.models import load_model
+from specdec.models import cpu_gemm
+from specdec.models.kernels import kernel_path
 from specdec.models.loading import DEFAULT_MODEL, default_gguf_path
 
 PLAIN = "specdec/none"
@@ -58,6 +60,7 @@ class BenchConfig:
     draft_model: str | None = None
     drafter_extra: dict = field(default_factory=dict)  # DrafterOptions.extra: eagle_path, medusa_path, layers, window...
     dtype: str = "auto"
+    kernels: str = "auto"  # exact | library | auto (see specdec/models/kernels.py)
     device: str = "auto"
     chat: bool = True
     ngram_max: int = 3
@@ -140,7 +143,7 @@ class Runner:
 
     def __init__(self, config: BenchConfig, methods: list[Method]) -> None:
         self.config = config
-        self.target = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels)
         if self.target.tokenizer is None:
             raise UserError(f"{config.model} has no tokenizer: bench needs one to encode its prompts")
         p = next(self.target.parameters())
@@ -150,7 +153,8 @@ class Runner:
             self.draft = load_draft(config.draft_model, self.target)  # a shared-embedding draft borrows the target's
         options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
                                  extra=config.drafter_extra)
-        self.engines = {m.name: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
+        drafters = {m.drafter: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
+        self.engines = {m.name: drafters[m.drafter] for m in methods if m.family == "specdec"}  # gammas share graphs
         self.hf = None
         if any(m.family.startswith("hf") for m in methods):
             self.hf = HFPeer(self.target.name, self.dtype, self.device, self.draft.name if self.draft is not None else None)
@@ -177,6 +181,28 @@ class Runner:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Method], list[str]]:
+    """Fixed-gamma methods named by the draft depth their drafter really runs (EAGLE's tree depth, Medusa's
+    heads cap it): a gamma that runs as another is dropped, with a note, or renamed when nothing else runs it."""
+    kept, notes, names = [], [], {m.name for m in methods}
+    for m in methods:
+        if m.family != "specdec" or m.policy != "fixed" or m.drafter == "none":
+            kept.append(m)
+            continue
+        depth = engines[m.name].drafter.shape(m.gamma).depth
+        if depth == m.gamma:
+            kept.append(m)
+            continue
+        name = f"specdec/{m.drafter}/{depth}"
+        notes.append(f"{m.name}: {m.drafter} drafts at most {depth} tokens deep, so gamma {m.gamma} runs as {name}"
+                     + (" (already measured)" if name in names else ""))
+        if name not in names:
+            names.add(name)
+            engines[name] = engines[m.name]
+            kept.append(Method(name, m.family, m.drafter, depth, m.policy))
+    return kept, notes
+
+
 def gguf_of(model: str):
     from pathlib import Path
 
@@ -193,6 +219,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     tasks = load_tasks(config.task, config.limit)
     methods, notes = plan_methods(config, llama_cpp_available())
     runner = Runner(config, methods)
+    methods, refused = label_by_what_runs(methods, runner.engines)
+    notes += refused
     prompts = [runner.encode(t) for t in tasks]
 
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
@@ -236,10 +264,10 @@ def calibrate(runner: Runner, prompts: list[list[int]], records: list[RunRecord]
     plain_outputs = [r.token_ids for r in records if r.method == PLAIN and r.repeat == 0]
     context_len = int(statistics.median(len(p) for p in prompts) + statistics.median(len(o) for o in plain_outputs) / 2)
     context = (prompts[0] + plain_outputs[0] + prompts[0] * 8)[: max(context_len, 2)]
-    largest = max([1] + [runner.engines[m.name].drafter.max_tokens(max(m.gamma, runner.config.gamma_max if m.policy != "fixed" else 0))
+    largest = max([1] + [runner.engines[m.name].drafter.shape(max(m.gamma, runner.config.gamma_max if m.policy != "fixed" else 0)).width
                          for m in methods if m.family == "specdec"])
     ks = list(range(1, largest + 2))
-    graphs = any(e.graphed is not None for e in runner.engines.values())
+    graphs = any(e.graphs for e in runner.engines.values())
     times = measure_forward_times(runner.target, context, ks, graphs=graphs)
     calibration = {
         "context_len": len(context),
@@ -363,6 +391,8 @@ def environment(runner: Runner) -> dict:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "model": runner.config.model,
         "model_folder": runner.target.name,
+        "kernels": kernel_path(runner.target).to_dict(),
+        "cpu_kernel": cpu_gemm.build_status(),
     }
     if runner.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(runner.device)

@@ -1,7 +1,7 @@
 """Drafters, one per file. Importing this package registers them all."""
 
 from specdec.drafters import draft_model, eagle, layer_skip, lookahead, medusa, ngram, none, quantized  # noqa: F401  (registration side effects)
-from specdec.drafters.base import DRAFTERS, DecodeState, Drafter, DrafterOptions, Proposal
+from specdec.drafters.base import DRAFTERS, Drafter, DrafterOptions, DraftShape, Proposal, Verified
 from specdec.errors import UserError
 
 
@@ -11,4 +11,4 @@ def build_drafter(name: str, target, options: DrafterOptions | None = None) -> D
     return DRAFTERS[name](target, options or DrafterOptions())
 
 
-__all__ = ["DRAFTERS", "DecodeState", "Drafter", "DrafterOptions", "Proposal", "build_drafter"]
+__all__ = ["DRAFTERS", "DraftShape", "Drafter", "DrafterOptions", "Proposal", "Verified", "build_drafter"]

@@ -1,7 +1,14 @@
-"""The drafter protocol, the decode state drafters read, and the registry that builds them by name.
+"""The drafter protocol and the registry that builds drafters by name.
 
-A drafter proposes up to k tokens per row and is told what the target kept. It never mutates the
-target model or its cache; whatever state it needs (its own model and cache, n-gram tables) it owns.
+A drafter proposes draft tokens for every slot of a RowBatch and is told what the target kept. It
+never touches the target model or its cache; its own state (a draft model's cache, an EAGLE head's
+cache and pending features, an n-gram pool) lives in `batch.draft`, created by `attach`, one entry
+per slot, so rows can join (`join`, after the target has prefilled them) and leave between steps.
+
+Static shapes: for a given gamma a proposal always has the same shape (`shape(gamma)`), whatever the
+rows hold, and a `graphable` drafter's `propose` and `commit` are pure device work (no host
+synchronisation, no data-dependent shapes), so the step that calls them can be captured in a CUDA
+graph. Rows that stopped still flow through (masked, never sliced); their state must not change.
 """
 
 from __future__ import annotations
@@ -12,55 +19,76 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from specdec.config import SamplingParams
-from specdec.verify import TreeSpec, VerifyResult
+from specdec.batch import RowBatch
+from specdec.verify import TreeSpec
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The static size of a proposal: `width` draft tokens (chain length or tree nodes), at most
+    `depth` of them on one root-to-leaf path (= width for a chain: the gamma that really runs), and
+    `lanes` uniform random numbers per row that drafting consumes."""
+
+    width: int
+    depth: int
+    tree: bool = False
+    lanes: int = 0
 
 
 @dataclass
 class Proposal:
-    tokens: Tensor  # [B, k] draft tokens, padded past num_drafted
-    probs: Tensor | None = None  # [B, k, V] draft distribution q; None = deterministic draft (one-hot q)
-    num_drafted: Tensor | None = None  # [B] valid draft tokens per row; None = all k (chains only)
-    tree: TreeSpec | None = None  # tokens are then the tree's nodes [B, N] (probs [B, N, V]: q each was drawn from)
+    tokens: Tensor  # [B, N] draft tokens (a chain, or a tree's nodes in topological order)
+    q: Tensor | None = None  # [B, N, V] distribution each token was drawn from; None = deterministic (one-hot q)
+    num_drafted: Tensor | None = None  # [B] valid chain tokens per row; None = all N (chains only)
+    tree: TreeSpec | None = None
 
 
 @dataclass
-class DecodeState:
-    """What the engine knows about a batch between steps. Row b's last token is pending: emitted,
-    but not yet run through the target (it leads the next verify block)."""
+class Verified:
+    """What one step kept, for the drafter's commit. Rows that did not take part have accepted = 0."""
 
-    tokens: list[list[int]]  # per row: prompt + emitted tokens
-    prompt_lengths: list[int]
-    active: list[bool]  # rows still generating
-    sampling: SamplingParams
-    generator: torch.Generator
-    device: torch.device
-    max_len: int  # cache slots per row the engine allocated
-    draft_threshold: float | None = None  # stop a row's draft below this top-1 draft probability
-    # Target hidden states [B, T, D] at the tokens the last step kept in the cache: the pending token, then
-    # the accepted drafts (valid up to num_accepted + 1 per row); after prefill, the prompt's.
-    target_hidden: Tensor | None = None
-    # The target's logits [B, T, V] over the last step's whole block (pending token, then the chain or the
-    # tree's nodes in proposal order), rejected positions included: what lookahead's Jacobi update reads.
-    target_logits: Tensor | None = None
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.tokens)
+    proposal: Proposal
+    accepted: Tensor  # [B] accepted draft tokens
+    kept: Tensor  # [B] tokens appended to each row (accepted + 1, or fewer where the row stopped)
+    hidden: Tensor  # [B, D+1, Dm] the target's final hidden states at the kept block entries (pending token first)
+    logits: Tensor  # [B, T, V] the target's logits over the whole verify block (rejected entries included)
 
 
 class Drafter(Protocol):
     name: str
+    graphable: bool  # propose and commit are graph-safe
 
-    def max_tokens(self, gamma: int) -> int:
-        """The most draft tokens (chain length or tree nodes) one proposal holds: sizes the caches."""
+    def shape(self, gamma: int) -> DraftShape: ...
+
+    def attach(self, batch: RowBatch) -> None:
+        """Create this drafter's per-slot state for `batch` (sized by its capacity and max_len)."""
         ...
 
-    def prefill(self, state: DecodeState) -> None: ...
+    def join(self, batch: RowBatch, slots: Tensor, hidden: Tensor) -> None:
+        """Rows `slots` [n] were just prefilled: hidden [n, T, Dm] is the target's over their right-padded
+        prompts (batch.prompt_length says how much is real); batch.tokens holds prompt + first token."""
+        ...
 
-    def propose(self, state: DecodeState, k: int) -> Proposal: ...
+    def propose(self, batch: RowBatch, gamma: int, u: Tensor) -> Proposal:
+        """A proposal of shape(gamma) for every slot; u [B, lanes] uniforms for sampled drafts."""
+        ...
 
-    def commit(self, state: DecodeState, result: VerifyResult) -> None: ...
+    def commit(self, batch: RowBatch, verified: Verified) -> None: ...
+
+
+class Stateless:
+    """Base for drafters with no per-slot state."""
+
+    graphable = True
+
+    def attach(self, batch: RowBatch) -> None:
+        pass
+
+    def join(self, batch: RowBatch, slots: Tensor, hidden: Tensor) -> None:
+        pass
+
+    def commit(self, batch: RowBatch, verified: Verified) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -85,5 +113,11 @@ def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
     return wrap
 
 
-def empty_proposal(state: DecodeState) -> Proposal:
-    return Proposal(tokens=torch.zeros(state.batch_size, 0, dtype=torch.long, device=state.device))
+def pending_tokens(batch: RowBatch) -> Tensor:
+    """[B] each row's last token (emitted, not yet run through the target)."""
+    return batch.tokens.gather(1, (batch.length - 1).clamp(min=0)[:, None]).squeeze(1)
+
+
+def prompt_last(hidden: Tensor, lengths: Tensor) -> Tensor:
+    """hidden [n, T, D] over right-padded prompts, lengths [n] -> [n, D] at each prompt's last token."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]

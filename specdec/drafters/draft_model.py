@@ -1,10 +1,11 @@
 """`draft_model`: a separate, smaller model with the target's vocabulary drafts k tokens
-autoregressively. Its own KV cache is kept in step with the tokens the target accepted.
+autoregressively. Its own KV cache (one row per slot) is kept in step with the tokens the target kept.
 
-Cache bookkeeping per row, with L = tokens so far (the last one pending): before a proposal the
-draft cache holds some prefix of the sequence; propose feeds the rest (the pending token, and after
-a fully accepted step also the last draft), then drafts d1..dk, feeding d1..d(k-1). After
-verification everything up to and including the accepted drafts is still valid: trim to L' - 1.
+Cache bookkeeping per row, with L = tokens so far (the last one pending): at each proposal the draft
+cache is rolled back to L - 2 slots and fed the row's last two tokens (which after a fully accepted
+step include the last draft, never fed before), then drafts d1..dk, feeding d1..d(k-1). Everything
+before L - 2 is always valid: it holds tokens the target kept. A fixed two-token feed keeps the shapes
+static, so the whole proposal can be captured in a CUDA graph.
 
 Shared-embedding drafts (`specdec train draft`): a folder whose config.json says
 "specdec_shared_embeddings": true holds only the decoder layers and final norm (HF names, any float
@@ -22,13 +23,13 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.linear import Linear, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
+from specdec.models.views import follow_kernels
 from specdec.sampling import logits_to_probs, sample
-from specdec.verify import VerifyResult
 
 
 def check_same_vocabulary(target, draft) -> None:
@@ -50,66 +51,67 @@ def fit_vocab(logits: Tensor, vocab_size: int) -> Tensor:
     return logits[..., :vocab_size]
 
 
+def draw(logits: Tensor, batch, u: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Draft logits [B, V] -> tokens [B] and q [B, V]: argmax when no row samples (q = None, one-hot),
+    else each row's own sampling parameters (greedy rows still take the argmax) with uniforms u [B]."""
+    if u is None:
+        return logits.argmax(-1), None
+    q = logits_to_probs(logits, batch.sampling)
+    return sample(q, u), q
+
+
 class DraftModelDrafter:
     name = "draft_model"
+    graphable = True
 
     def __init__(self, target, draft) -> None:
         check_same_vocabulary(target, draft)
         self.draft = draft
         self.vocab_size = target.config.vocab_size
-        self.cache = None
 
-    def max_tokens(self, gamma: int) -> int:
-        return gamma
+    def shape(self, gamma: int) -> DraftShape:
+        return DraftShape(width=gamma, depth=gamma, lanes=gamma)
 
-    def prefill(self, state: DecodeState) -> None:
-        self.cache = self.draft.new_cache(state.batch_size, state.max_len)
+    def attach(self, batch) -> None:
+        batch.draft = self.draft.new_cache(batch.capacity, batch.max_len, static=batch.static)
 
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        B, dev = state.batch_size, state.device
-        have = self.cache.lengths.tolist()
-        feeds = [row[h:] if state.active[b] else row[-1:] for b, (row, h) in enumerate(zip(state.tokens, have))]
-        for b in range(B):
-            if not state.active[b]:  # keep finished rows parked on their last slot
-                self.cache.lengths[b] = len(state.tokens[b]) - 1
-        T = max(len(f) for f in feeds)
-        block = torch.tensor([f + [f[-1]] * (T - len(f)) for f in feeds], device=dev)  # [B, T] right-padded
-        start = self.cache.lengths.clone()  # [B]
-        counts = torch.tensor([len(f) for f in feeds], device=dev)  # [B]
-        out = self.draft(block, start[:, None] + torch.arange(T, device=dev), self.cache, logits_at=counts - 1)
-        self.cache.trim(start + counts)
+    def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
+        """Run the draft over the new rows' prompts (into a scratch cache), then copy that into their slots."""
+        lengths = batch.prompt_length[slots]  # [n]
+        T = hidden.shape[1]
+        scratch = self.draft.new_cache(len(slots), T)
+        prompts = batch.tokens[slots, :T]  # [n, T] right-padded (the pad is later output or zeros: never read)
+        self.draft(prompts, torch.arange(T, device=prompts.device).expand_as(prompts), scratch, logits_at=lengths - 1)
+        batch.draft.k[:, slots, :, :T] = scratch.k
+        batch.draft.v[:, slots, :, :T] = scratch.v
+        batch.draft.lengths[slots] = lengths
+
+    def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
+        cache, dev = batch.draft, batch.device
+        L = batch.length.clamp(min=2)  # [B] (a prefilled row holds prompt + first token: L >= 2)
+        known = cache.lengths.clone()  # [B]
+        cache.lengths.copy_(L - 2)
+        feed = batch.tokens.gather(1, L[:, None] - 2 + torch.arange(2, device=dev))  # [B, 2]
+        logits = self.draft(feed, L[:, None] - 2 + torch.arange(2, device=dev), cache,
+                            logits_at=torch.ones_like(L)).logits[:, -1]  # [B, V_draft]
         tokens, probs = [], []
-        logits = out.logits[:, -1]  # [B, V]
-        num_drafted = torch.tensor([k if a else 0 for a in state.active], device=dev)  # [B]
-        for i in range(k):
-            token, q = self.draw(logits, state)
+        num_drafted = torch.full_like(L, gamma)  # [B]
+        for i in range(gamma):
+            logits = fit_vocab(logits, self.vocab_size)
+            token, q = draw(logits, batch, None if u is None else u[:, i])
             tokens.append(token)
             probs.append(q)
-            if state.draft_threshold is not None and i > 0:  # confidence policy: cut rows at their first unsure token
-                unsure = logits.float().softmax(-1).amax(-1) < state.draft_threshold  # [B]
+            if batch.confidence is not None and i > 0:  # confidence policy: cut rows at their first unsure token
+                unsure = logits.softmax(-1).amax(-1) < batch.confidence  # [B]
                 num_drafted = torch.where(unsure & (num_drafted > i), i, num_drafted)
-                if int(num_drafted.max()) <= i:
-                    break
-            if i < k - 1:
-                positions = self.cache.lengths[:, None].clone()  # [B, 1]
-                logits = self.draft(token[:, None], positions, self.cache).logits[:, -1]
-        return Proposal(
-            tokens=torch.stack(tokens, 1),  # [B, k'] (k' <= k when every row stopped early)
-            probs=None if state.sampling.greedy else torch.stack(probs, 1),  # [B, k', V]
-            num_drafted=num_drafted.clamp(max=len(tokens)),
-        )
+            if i < gamma - 1:
+                logits = self.draft(token[:, None], (L + i)[:, None], cache).logits[:, -1]
+        cache.lengths.copy_(torch.where(batch.active, L - 2, known))  # what is known valid: drafts may be rejected
+        return Proposal(tokens=torch.stack(tokens, 1), q=None if u is None else torch.stack(probs, 1),
+                        num_drafted=num_drafted)
 
-    def draw(self, logits: Tensor, state: DecodeState) -> tuple[Tensor, Tensor | None]:
-        """Draft logits [B, V_draft] -> token [B] and q [B, V] (None when greedy)."""
-        logits = fit_vocab(logits, self.vocab_size)
-        if state.sampling.greedy:
-            return logits.argmax(-1), None
-        q = logits_to_probs(logits, state.sampling)
-        return sample(q, state.generator), q
-
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        keep = torch.tensor([len(row) - 1 for row in state.tokens], device=self.cache.lengths.device)
-        self.cache.trim(keep)
+    def commit(self, batch, verified: Verified) -> None:
+        pass  # the next proposal rolls the cache back to what the target kept
 
 
 class SharedDraftModel(LlamaModel):
@@ -159,6 +161,7 @@ def load_shared_draft(folder: str | Path, target) -> SharedDraftModel:
     draft.load_state_dict(own, assign=True, strict=False)
     borrow_target_weights(draft, target, None if d2t is None else d2t.long())
     use_cpu_kernels(draft.layers)
+    follow_kernels(draft, target)
     draft.name = str(folder)
     return draft
 
@@ -189,7 +192,8 @@ def load_draft(draft, target):
     from specdec.models import load_model
 
     p = next(target.parameters())
-    return load_model(draft, dtype=p.dtype, device=str(p.device))
+    library = any(getattr(m, "kernels", None) == "library" for m in target.modules())
+    return load_model(draft, dtype=p.dtype, device=str(p.device), kernels="library" if library else "auto")
 
 
 @register("draft_model")

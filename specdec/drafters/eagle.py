@@ -1,14 +1,18 @@
 """`eagle`: EAGLE-2 drafting (Li et al. 2024) with a trained EagleHead on the target's features.
 
 Per step the head first catches up on the pairs (target feature at t, token t+1) that the last
-verification committed, which leaves it with a predicted feature for the pending token (the root).
-Then it grows a tree level by level: expand the `frontier` most confident nodes (highest cumulative
-draft log-probability), each giving its `branch` most likely children, for `depth` levels; finally
-keep the `total_tokens` most confident nodes (a child never scores above its parent, so the kept set
-is a tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
+verification kept, which leaves it with a predicted feature for the pending token (the root). Then it
+grows a tree level by level: expand the `frontier` most confident nodes (highest cumulative draft
+log-probability), each giving its `branch` most likely children, for `depth` levels; finally keep the
+`total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
+tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
-Head cache: committed pairs occupy slots 0 .. L-2 for a row with L tokens; tree expansions are
-written after them and rolled back at the end of propose.
+Per-slot state (`EagleState`): the head's KV cache and the head's predicted feature for the pending
+token (the root of the next tree). With L tokens in a row, the cache holds the pairs for positions
+0 .. L - 2. `commit` feeds the pairs the last step kept (always depth + 1 of them; the cache length
+masks the extra ones) right away, so a step that drafted nothing (gamma 0) keeps the head in step too;
+the tree's entries are written after the committed pairs and rolled back at the end of propose.
+Every shape is fixed by the tree configuration, so both can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
+from specdec.kv_cache import KVCache
 from specdec.models.eagle import EagleHead, load_eagle_head
-from specdec.verify import TreeSpec, VerifyResult
+from specdec.verify import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -32,67 +37,83 @@ class EagleTreeConfig:
     frontier: int = 4  # nodes expanded per level
     total_tokens: int = 10  # nodes verified per step (best of 4-15 on a 2-core CPU: benchmarks/eagle_tree_sweep.py)
 
+    def candidates(self, depth: int) -> int:
+        """Nodes a tree of `depth` levels chooses from (as EagleDrafter.grow builds them)."""
+        total = self.branch
+        for _ in range(2, depth + 1):
+            total += min(self.frontier, total) * self.branch
+        return total
+
+
+@dataclass
+class EagleState:
+    cache: KVCache  # the head's, one row per slot
+    root: Tensor  # [B, D] the head's feature for each row's pending token
+
 
 class EagleDrafter:
     name = "eagle"
+    graphable = True
 
     def __init__(self, target, head: EagleHead, tree: EagleTreeConfig) -> None:
         if head.config.vocab_size != target.config.vocab_size or head.config.hidden_size != target.config.hidden_size:
             raise UserError("this EAGLE head was trained for another target (vocabulary or width differ)")
         self.head = head.attach(target)
         self.tree = tree
-        self.cache = None
-        self.stash: Tensor | None = None  # [B, S, D] target features not yet fed to the head
-        self.stash_start: list[int] = []  # per row: position of stash[:, 0]
-        self.stash_len: list[int] = []
 
-    def max_tokens(self, gamma: int) -> int:
-        return self.tree.total_tokens
+    def shape(self, gamma: int) -> DraftShape:
+        depth = min(self.tree.depth, gamma)
+        return DraftShape(width=min(self.tree.total_tokens, self.tree.candidates(depth)), depth=depth, tree=True)
 
-    def prefill(self, state: DecodeState) -> None:
-        self.cache = self.head.new_cache(state.batch_size, state.max_len + self.tree.depth * self.tree.frontier)
-        self.stash, self.stash_start, self.stash_len = state.target_hidden, [0] * state.batch_size, list(state.prompt_lengths)
+    def attach(self, batch) -> None:
+        B, D = batch.capacity, self.head.config.hidden_size
+        cache = self.head.new_cache(B, batch.max_len + self.tree.depth * self.tree.frontier, static=batch.static)
+        root = torch.zeros(B, D, dtype=self.head.fc.weight.dtype, device=batch.device)
+        batch.draft = EagleState(cache, root)
 
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        kept = (result.num_accepted + 1).tolist()
-        self.stash = state.target_hidden
-        self.stash_len = [n if a else 0 for n, a in zip(kept, state.active)]
-        self.stash_start = [len(row) - n - 1 for row, n in zip(state.tokens, kept)]
+    def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
+        """Feed the prompts' pairs (feature at t, token t+1), the last one pairing with the first token."""
+        state, lengths = batch.draft, batch.prompt_length[slots]  # [n]
+        n, T = hidden.shape[:2]
+        scratch = self.head.new_cache(n, T)
+        positions = torch.arange(T, device=hidden.device).expand(n, T)
+        out = self.head.features(hidden, batch.tokens[slots, 1 : T + 1], positions, scratch)  # [n, T, D]
+        state.cache.k[:, slots, :, :T] = scratch.k
+        state.cache.v[:, slots, :, :T] = scratch.v
+        state.cache.lengths[slots] = lengths
+        state.root[slots] = out[torch.arange(n, device=hidden.device), lengths - 1]
+
+    def commit(self, batch, verified: Verified) -> None:
+        """Feed the pairs of the kept entries (feature at the entry, the token after it) and keep the head's
+        feature of the new pending token. Rows that did not take part write only past their cache length."""
+        state, dev = batch.draft, batch.device
+        took_part = verified.kept > 0  # [B]
+        count = verified.accepted + 1  # [B] kept entries: the old pending token and the accepted drafts
+        W = verified.hidden.shape[1]
+        start = torch.where(took_part, batch.length - count - 1, state.cache.lengths)  # [B] first pair's position
+        positions = start[:, None] + torch.arange(W, device=dev)  # [B, W]
+        next_tokens = batch.tokens.gather(1, (positions + 1).clamp(max=batch.max_len - 1))  # [B, W]
+        state.cache.lengths.copy_(start)
+        out = self.head.features(verified.hidden.to(state.root.dtype), next_tokens, positions, state.cache)  # [B, W, D]
+        state.cache.lengths.copy_(torch.where(took_part, start + count, start))
+        last = out.gather(1, (count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
+        state.root.copy_(torch.where(took_part[:, None], last, state.root))
 
     @torch.inference_mode()
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        root_feature = self.catch_up(state)  # [B, D]
-        depth = min(self.tree.depth, k)
-        tokens, parents = self.grow(root_feature, state, depth)
-        return Proposal(tokens=tokens, tree=TreeSpec(parents))
+    def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
+        depth = self.shape(gamma).depth
+        tokens, parents = self.grow(batch.draft.root, batch, depth)
+        return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth, self.tree.branch))
 
-    def catch_up(self, state: DecodeState) -> Tensor:
-        """Feed the committed (feature, next token) pairs; return the predicted feature of the pending token."""
-        dev = state.device
-        B = state.batch_size
-        counts = torch.tensor(self.stash_len, device=dev)  # [B]
-        T = max(1, max(self.stash_len))
-        starts = torch.tensor(self.stash_start, device=dev)  # [B]
-        self.cache.trim(starts)
-        idx = (starts[:, None] + 1 + torch.arange(T, device=dev)).clamp(max=state.max_len - 1)  # [B, T] next-token positions
-        padded = [row + [row[-1]] * (state.max_len - len(row)) for row in state.tokens]
-        next_tokens = torch.tensor(padded, device=dev).gather(1, idx)  # [B, T]
-        feats = self.stash[:, :T]  # [B, <=T, D]
-        if feats.shape[1] < T:
-            feats = torch.nn.functional.pad(feats, (0, 0, 0, T - feats.shape[1]))
-        out = self.head.features(feats.to(self.head.fc.weight.dtype), next_tokens, starts[:, None] + torch.arange(T, device=dev), self.cache)
-        self.cache.trim(starts + counts)
-        last = (counts - 1).clamp(min=0)
-        return out[torch.arange(B, device=dev), last]  # [B, D]
-
-    def grow(self, root_feature: Tensor, state: DecodeState, depth: int) -> tuple[Tensor, Tensor]:
+    def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
         """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order."""
-        B, dev, cfg = state.batch_size, state.device, self.tree
+        cfg, dev, cache = self.tree, batch.device, batch.draft.cache
+        B = root_feature.shape[0]
         rows = torch.arange(B, device=dev)
-        base = self.cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
+        base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1
-        root_pos = torch.tensor([len(t) - 1 for t in state.tokens], device=dev)
+        root_pos = batch.length - 1
         logq = self.head.logits(root_feature).log_softmax(-1)  # [B, Vd]
         score, pick = logq.topk(cfg.branch, dim=-1)  # [B, K]
         tokens, scores = [self.head.d2t[pick]], [score]
@@ -122,7 +143,7 @@ class EagleDrafter:
             grown[:, num_entries:, num_entries:] = torch.eye(F, dtype=torch.bool, device=dev)
             new_feats = self.head.features(
                 cand_feats[rows[:, None], chosen], cand_tokens[rows[:, None], chosen],
-                root_pos[:, None] + (level - 2), self.cache, mask=grown[:, num_entries:],
+                root_pos[:, None] + (level - 2), cache, mask=grown[:, num_entries:],
             )  # [B, F, D]
             entry_anc, num_entries = grown, E
             new_entry = torch.full_like(cand_entry, -1)
@@ -138,7 +159,7 @@ class EagleDrafter:
             depths.append(torch.full_like(child_pick.flatten(1), level))
             features.append(new_feats[:, :, None].expand(-1, -1, cfg.branch, -1).flatten(1, 2))
             entry_of.append(torch.full_like(child_pick.flatten(1), -1))
-        self.cache.trim(base)  # the tree's entries are scratch
+        cache.lengths.copy_(base)  # the tree's entries are scratch
         return select_tree(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1),
                            cfg.total_tokens)
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
-from specdec.verify import TreeSpec, VerifyResult
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.verify import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,30 @@ def add_to_pool(pool: dict, gram: tuple[int, ...], cap: int) -> None:
 
 
 class LookaheadDrafter:
+    """Per slot a RowState on the host (`batch.draft`, keyed by slot): the pool and the Jacobi window
+    are Python structures, so this drafter reads the rows' tokens back every step and its steps run
+    eagerly (graphable = False)."""
+
     name = "lookahead"
+    graphable = False
 
     def __init__(self, config: LookaheadConfig, seed: int = 0) -> None:
         self.config = config
         self.rng = np.random.default_rng(seed)
-        self.rows: list[RowState] = []
 
-    def max_tokens(self, gamma: int) -> int:
-        return self.config.window + self.config.guesses * (self.config.ngram - 1)
+    def shape(self, gamma: int) -> DraftShape:
+        c = self.config
+        return DraftShape(width=c.window + c.guesses * (c.ngram - 1), depth=min(gamma, max(c.window, c.ngram - 1)),
+                          tree=True)
 
-    def prefill(self, state: DecodeState) -> None:
-        self.rows = [RowState(window=self.fill([], tokens, self.config.window)) for tokens in state.tokens]
-        for row, tokens in zip(self.rows, state.tokens):
-            self.index_text(row, tokens)
+    def attach(self, batch) -> None:
+        batch.draft = {}
+
+    def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
+        for slot in slots.tolist():
+            tokens = row_tokens(batch, slot)
+            batch.draft[slot] = RowState(window=self.fill([], tokens, self.config.window))
+            self.index_text(batch.draft[slot], tokens)
 
     def fill(self, window: list[int], tokens: list[int], size: int) -> list[int]:
         """Pad a window to `size` with tokens drawn from the text so far (the paper starts from random ones)."""
@@ -81,19 +92,23 @@ class LookaheadDrafter:
             add_to_pool(row.pool, tuple(tokens[end - N : end]), self.config.pool_per_key)
         row.indexed_upto = len(tokens) + 1
 
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        tries = [self.row_trie(row, tokens[-1], k) if active else ([], [], [])
-                 for row, tokens, active in zip(self.rows, state.tokens, state.active)]
-        N = max(1, max(len(t[0]) for t in tries))
-        tokens = torch.zeros(state.batch_size, N, dtype=torch.long)
-        parents = torch.full((state.batch_size, N), -1, dtype=torch.long)
-        for b, (node_tokens, node_parents, window_nodes) in enumerate(tries):
-            tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.long)
-            parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.long)
-            self.rows[b].window_nodes = window_nodes
-        num_nodes = torch.tensor([len(t[0]) for t in tries])
-        tree = TreeSpec(parents.to(state.device), num_nodes.to(state.device))
-        return Proposal(tokens=tokens.to(state.device), tree=tree)
+    def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
+        shape = self.shape(gamma)
+        B, N = batch.capacity, shape.width
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        num_nodes = torch.zeros(B, dtype=torch.long)
+        active = batch.active.tolist()
+        for slot, row in batch.draft.items():
+            row.window_nodes = []
+            if not active[slot]:
+                continue
+            node_tokens, node_parents, row.window_nodes = self.row_trie(row, row_tokens(batch, slot)[-1], shape.depth)
+            tokens[slot, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.long)
+            parents[slot, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.long)
+            num_nodes[slot] = len(node_tokens)
+        tree = TreeSpec(parents.to(batch.device), num_nodes.to(batch.device), shape.depth, 1 + self.config.guesses)
+        return Proposal(tokens=tokens.to(batch.device), tree=tree)
 
     def row_trie(self, row: RowState, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
         """Merge the window chain and the pool's guesses into one trie under the root: (tokens, parents,
@@ -118,21 +133,21 @@ class LookaheadDrafter:
             insert(guess)
         return tokens, parents, [n + 1 for n in window_path]  # block index = node index + 1
 
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        argmax = state.target_logits.argmax(-1).cpu()  # [B, T] the target's next token after each block entry
-        emitted = (result.num_accepted + 1).tolist()
-        for b, row in enumerate(self.rows):
+    def commit(self, batch, verified: Verified) -> None:
+        argmax = verified.logits.argmax(-1).cpu()  # [B, T] the target's next token after each block entry
+        emitted = verified.kept.tolist()
+        for slot, row in batch.draft.items():
             window_nodes, row.window_nodes = row.window_nodes, []  # this step's only: a step may skip proposing
-            if not state.active[b]:
+            if not emitted[slot]:
                 continue
-            tokens = state.tokens[b]
+            tokens = row_tokens(batch, slot)
             if not window_nodes:
                 self.index_text(row, tokens)
                 continue
-            L_old = len(tokens) - emitted[b]  # tokens before this step's emission (pending at L_old - 1)
+            L_old = len(tokens) - emitted[slot]  # tokens before this step's emission (pending at L_old - 1)
             # the next Jacobi iterate: after window prefix w_1..w_{i-1} (block 0 = the root) the target says...
             prefixes = [0] + window_nodes[:-1]
-            iterate = {L_old + i: int(argmax[b, node]) for i, node in enumerate(prefixes)}
+            iterate = {L_old + i: int(argmax[slot, node]) for i, node in enumerate(prefixes)}
             self.harvest(row, iterate)
             L = len(tokens)
             shifted = [iterate[p] for p in range(L, L_old + len(prefixes)) if p in iterate]
@@ -152,6 +167,11 @@ class LookaheadDrafter:
             if None not in gram:
                 # N-1 tokens of the trajectory; key = the first, and one more token per extra level
                 add_to_pool(row.pool, tuple(gram), self.config.pool_per_key)
+
+
+def row_tokens(batch, slot: int) -> list[int]:
+    """A row's tokens so far, read back from the device."""
+    return batch.tokens[slot, : int(batch.length[slot])].tolist()
 
 
 @register("lookahead")

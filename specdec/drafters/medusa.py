@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, prompt_last, register
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.medusa import MedusaHeads, load_medusa_heads, read_config
-from specdec.verify import TreeSpec, VerifyResult
+from specdec.verify import TreeSpec
 
 # 12 nodes, for a CPU: verifying 13 tokens reads the target's weights once, like 1 token, but costs
 # about 1.3 times a 1-token forward on the 2-core machine we measure on, and each further node adds less.
@@ -89,6 +89,7 @@ def sparse_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[tuple[
 
 class MedusaDrafter:
     name = "medusa"
+    graphable = True
 
     def __init__(self, target, heads: MedusaHeads, tree: MedusaTree) -> None:
         if max(tree.ranks()) >= heads.config.draft_vocab_size:
@@ -101,27 +102,34 @@ class MedusaDrafter:
         self.node_rank = torch.tensor(tree.ranks(), device=dev)  # [N]
         self.depths = tree.depths()
         self.top = max(tree.ranks()) + 1
-        self.features: Tensor | None = None  # [B, D] the target's feature at each row's last kept token
+        parents = tree.parents()
+        self.fan_out = max(parents.count(i) for i in range(-1, len(parents)))  # most children of one entry
 
-    def max_tokens(self, gamma: int) -> int:
-        return len(self.tree.paths)
+    def shape(self, gamma: int) -> DraftShape:
+        depth = min(gamma, max(self.depths))
+        return DraftShape(width=sum(d <= depth for d in self.depths), depth=depth, tree=True)
 
-    def prefill(self, state: DecodeState) -> None:
-        last = torch.tensor(state.prompt_lengths, device=state.device) - 1  # [B]
-        self.features = state.target_hidden[torch.arange(state.batch_size, device=state.device), last]
+    def attach(self, batch) -> None:
+        """Per slot: the target's feature at the row's last kept token [B, D]."""
+        D = self.heads.config.hidden_size
+        batch.draft = torch.zeros(batch.capacity, D, dtype=next(self.heads.parameters()).dtype, device=batch.device)
 
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        kept = result.num_accepted.clamp(max=state.target_hidden.shape[1] - 1)  # [B] last kept entry
-        self.features = state.target_hidden[torch.arange(state.batch_size, device=state.device), kept]
+    def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
+        batch.draft[slots] = prompt_last(hidden, batch.prompt_length[slots])
+
+    def commit(self, batch, verified: Verified) -> None:
+        last = verified.hidden.gather(1, verified.accepted[:, None, None].expand(-1, 1, verified.hidden.shape[-1]))
+        batch.draft.copy_(torch.where((verified.kept > 0)[:, None], last.squeeze(1), batch.draft))
 
     @torch.inference_mode()
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        N = sum(d <= k for d in self.depths)  # breadth-first: the nodes up to depth k are a prefix
-        logits = self.heads(self.features)  # [B, K, Vd]
+    def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
+        shape = self.shape(gamma)  # breadth-first: the nodes up to a depth are a prefix
+        N = shape.width
+        logits = self.heads(batch.draft)  # [B, K, Vd]
         ranked = logits.topk(self.top, dim=-1).indices  # [B, K, R]
         picks = ranked[:, self.node_head[:N], self.node_rank[:N]]  # [B, N] draft-vocabulary indices
-        parents = self.parents[:N].expand(state.batch_size, N)
-        return Proposal(tokens=self.heads.d2t[picks], tree=TreeSpec(parents))
+        parents = self.parents[:N].expand(batch.capacity, N)
+        return Proposal(tokens=self.heads.d2t[picks], tree=TreeSpec(parents, None, shape.depth, self.fan_out))
 
 
 def tree_for(option, heads: MedusaHeads, stored: dict) -> MedusaTree:

@@ -1,66 +1,68 @@
-"""`ngram`: prompt lookup decoding (Saxena 2023). Match the sequence's last n tokens (n from max_ngram
-down to min_ngram) against earlier text (prompt and output), most recent match first, and propose
-the tokens that followed it; a match near the end is copied on past the end, so a repeating pattern
-is proposed for the full gamma. Deterministic (q is one-hot), costs microseconds, runs on the host.
+"""`ngram`: prompt lookup decoding (Saxena 2023), on the device. Match each row's last n tokens (n from
+max_ngram down to min_ngram) against its earlier tokens (prompt and output), most recent match first,
+and propose the tokens that followed it; a match near the end is copied on past the end, so a
+repeating pattern is proposed for the full gamma. Deterministic (q is one-hot).
+
+The search compares every earlier position of every row at once (a few elementwise passes over the
+token history): no host work, so the step around it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
+from torch import Tensor
 
 from specdec.config import NgramConfig
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, register
-from specdec.verify import VerifyResult
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Stateless, register
 
 
-def find_continuation(seq: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
-    """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
-    L = len(seq)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        windows = sliding_window_view(seq[: L - 1], n)  # [L-n, n]: every n-gram that ends before the last token
-        hits = np.flatnonzero((windows == seq[L - n :]).all(axis=1))
-        if hits.size:
-            return copy_forward(seq, hits[-1] + n, k)
-    return seq[:0]
+def latest_match(tokens: Tensor, length: Tensor, n: int) -> Tensor:
+    """[B] start of the most recent earlier n-gram equal to each row's last n tokens (the n-gram must
+    end before the row's last token), or -1. tokens [B, S], length [B]."""
+    B, S = tokens.shape
+    if n >= S:
+        return torch.full_like(length, -1)
+    suffix = tokens.gather(1, (length[:, None] - n + torch.arange(n, device=tokens.device)).clamp(min=0))  # [B, n]
+    match = torch.ones(B, S - n + 1, dtype=torch.bool, device=tokens.device)  # [B, J] window j = tokens[j : j+n]
+    for i in range(n):
+        match &= tokens[:, i : S - n + 1 + i] == suffix[:, i : i + 1]
+    j = torch.arange(S - n + 1, device=tokens.device)  # [J]
+    match &= j + n <= (length - 1)[:, None]
+    return torch.where(match, j, -1).amax(-1)
 
 
-def copy_forward(seq: np.ndarray, start: int, k: int) -> np.ndarray:
-    """k tokens from seq[start:]; past the end the copy continues from its own output (a repeating
-    pattern keeps repeating: with seq = a b a b and start = 2 it gives a b a b ...)."""
-    out = list(seq[start : start + k])
-    while len(out) < k:
-        out.append(out[len(out) - (len(seq) - start)] if len(seq) > start else seq[-1])
-    return np.asarray(out[:k], dtype=seq.dtype)
+def copy_forward(tokens: Tensor, length: Tensor, start: Tensor, k: int) -> Tensor:
+    """[B, k] tokens from each row's `start` on; past the row's end the copy repeats its own output
+    (with tokens a b a b and start 2 it gives a b a b ...)."""
+    period = (length - start).clamp(min=1)  # [B]
+    index = start[:, None] + torch.arange(k, device=tokens.device) % period[:, None]  # [B, k]
+    return tokens.gather(1, index.clamp(0, tokens.shape[1] - 1))
 
 
-class NgramDrafter:
+def find_continuations(tokens: Tensor, length: Tensor, k: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], found [B]): the continuation of the longest matching suffix, per row."""
+    start = torch.zeros_like(length)
+    found = torch.zeros_like(length, dtype=torch.bool)
+    for n in range(max_ngram, min_ngram - 1, -1):  # longest first: keep the first n that matches
+        j = latest_match(tokens, length, n)
+        hit = (j >= 0) & ~found
+        start = torch.where(hit, j + n, start)
+        found |= hit
+    return copy_forward(tokens, length, start, k), found
+
+
+class NgramDrafter(Stateless):
     name = "ngram"
 
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
 
-    def max_tokens(self, gamma: int) -> int:
-        return gamma
+    def shape(self, gamma: int) -> DraftShape:
+        return DraftShape(width=gamma, depth=gamma)
 
-    def prefill(self, state: DecodeState) -> None:
-        pass
-
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        tokens = np.zeros((state.batch_size, k), dtype=np.int64)  # [B, k]
-        num_drafted = np.zeros(state.batch_size, dtype=np.int64)  # [B]
-        for b, row in enumerate(state.tokens):
-            if state.active[b]:
-                found = find_continuation(np.asarray(row), k, self.config.max_ngram, self.config.min_ngram)
-                tokens[b, : len(found)] = found
-                num_drafted[b] = len(found)
-        return Proposal(
-            tokens=torch.from_numpy(tokens).to(state.device), num_drafted=torch.from_numpy(num_drafted).to(state.device)
-        )
-
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        pass
+    def propose(self, batch, gamma: int, u: Tensor) -> Proposal:
+        drafts, found = find_continuations(batch.tokens, batch.length, gamma, self.config.max_ngram, self.config.min_ngram)
+        return Proposal(tokens=drafts, num_drafted=torch.where(found, gamma, 0))
 
 
 @register("ngram")

@@ -1,25 +1,18 @@
-"""`none`: plain decoding through the same engine, one target token per step. The baseline."""
+"""`none`: plain decoding through the same step, one target token per step. The baseline."""
 
 from __future__ import annotations
 
-from specdec.drafters.base import DecodeState, DrafterOptions, Proposal, empty_proposal, register
-from specdec.verify import VerifyResult
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Stateless, register
 
 
-class NoDrafter:
+class NoDrafter(Stateless):
     name = "none"
 
-    def max_tokens(self, gamma: int) -> int:
-        return 0
+    def shape(self, gamma: int) -> DraftShape:
+        return DraftShape(width=0, depth=0)
 
-    def prefill(self, state: DecodeState) -> None:
-        pass
-
-    def propose(self, state: DecodeState, k: int) -> Proposal:
-        return empty_proposal(state)
-
-    def commit(self, state: DecodeState, result: VerifyResult) -> None:
-        pass
+    def propose(self, batch, gamma, u) -> Proposal:
+        raise AssertionError("the step never asks `none` for drafts")
 
 
 @register("none")

@@ -185,6 +185,20 @@ static void accumulate(const float *p, const void *v, ptrdiff_t v_ss, const int 
 }
 #endif
 
+/* One query q [Dh] (float32) over the keys at slots slot[0 .. n-1], in that order (n >= 1):
+ * o[:Dh] = softmax of (q . k) * scale, times v, in float32. Scratch p [n]. Shared with cpu_layer.c,
+ * so that the whole-layer path attends with the same bits as `attend`. */
+void specdec_attend_slots(const float *q, const void *k, const void *v, ptrdiff_t k_ss, ptrdiff_t v_ss, const int *slot,
+                          int n, int Dh, int bf16, float scale, float *p, float *o) {
+    score(q, k, k_ss, slot, n, Dh, bf16, scale, p);
+    float max = p[0], sum = 0.0f;
+    for (int j = 1; j < n; j++) max = p[j] > max ? p[j] : max;
+    exponentiate(p, n, max);
+    for (int j = 0; j < n; j++) sum += p[j];
+    accumulate(p, v, v_ss, slot, n, Dh, bf16, o);
+    for (int d = 0; d < Dh; d++) o[d] /= sum;
+}
+
 /* One query: out[:Dh] = softmax over the seen keys of (q . k) * scale, times v. Scratch: p, slot [S]; o, qf [Dh]. */
 static void attend_one(const void *q, const void *k, const void *v, const uint8_t *seen, void *out, int bf16, int S,
                        int Dh, float scale, ptrdiff_t k_ss, ptrdiff_t v_ss, float *p, int *slot, float *o, float *qf) {
@@ -196,13 +210,8 @@ static void attend_one(const void *q, const void *k, const void *v, const uint8_
         return;
     }
     for (int d = 0; d < Dh; d++) qf[d] = load_one(q, d, bf16);
-    score(qf, k, k_ss, slot, n, Dh, bf16, scale, p);
-    float max = p[0], sum = 0.0f;
-    for (int j = 1; j < n; j++) max = p[j] > max ? p[j] : max;
-    exponentiate(p, n, max);
-    for (int j = 0; j < n; j++) sum += p[j];
-    accumulate(p, v, v_ss, slot, n, Dh, bf16, o);
-    for (int d = 0; d < Dh; d++) store_one(out, d, o[d] / sum, bf16);
+    specdec_attend_slots(qf, k, v, k_ss, v_ss, slot, n, Dh, bf16, scale, p, o);
+    for (int d = 0; d < Dh; d++) store_one(out, d, o[d], bf16);
 }
 
 typedef struct {

@@ -1,5 +1,6 @@
 """specdec's CPU kernels: skinny_gemm.c (linear layers), cpu_attention.c (attention over the KV
-cache) and cpu_threads.c (their threads), compiled on first use into one library, called through ctypes.
+cache), cpu_layer.c (whole decoder layers from those two, see cpu_layer.py) and cpu_threads.c (their
+threads), compiled on first use into one library, called through ctypes.
 
 Both kernels give every row (every query) one summation order whatever the number of rows beside it
 and whatever the threads, which makes greedy speculative decoding exactly equal to plain decoding on
@@ -61,7 +62,7 @@ from torch import Tensor
 from specdec.paths import cache_root
 
 NR = 16  # panel width, as in skinny_gemm.c
-SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "cpu_attention.c", "cpu_threads.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "cpu_attention.c", "cpu_layer.c", "cpu_threads.c")]
 FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fPIC", "-shared"]
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in skinny_gemm.c
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
@@ -135,6 +136,8 @@ def load(path: Path) -> ctypes.CDLL:
                                 ctypes.c_void_p] + [ctypes.c_int] * 5
     lib.attend.restype = None
     lib.attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_ssize_t] * 11 + [ctypes.c_int]
+    lib.specdec_layers.restype = ctypes.c_int
+    lib.specdec_layers.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     return lib
 
 

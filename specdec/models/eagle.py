@@ -28,6 +28,7 @@ from specdec.errors import UserError
 from specdec.kv_cache import KVCache
 from specdec.models.linear import Linear, use_cpu_kernels
 from specdec.models.llama import DecoderLayer, ModelConfig, run_layers
+from specdec.models.views import follow_kernels
 from specdec.models.rope import build_rope
 
 
@@ -85,15 +86,16 @@ class EagleHead(nn.Module):
         self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
         if kernels:
             use_cpu_kernels(self)
+            follow_kernels(self, target)
         else:
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.packed = None
         return self
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> KVCache:
         c, p = self.config, self.fc.weight
-        return KVCache(1, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device)
+        return KVCache(1, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device, static)
 
     def features(self, hidden: Tensor, tokens: Tensor, positions: Tensor, cache: KVCache | None, mask: Tensor | None = None) -> Tensor:
         """hidden [B, T, D] = target (or predicted) features at t, tokens [B, T] = token t+1 -> predicted

@@ -4,10 +4,8 @@
   order), its final norm and LM head: a self-speculative draft (layer skipping, Draft & Verify /
   SWIFT) that costs no extra weight memory. Its KV cache holds only the chosen layers.
 - `int8_copy(target)`: every linear layer of the target quantised to int8 with one scale per output
-  channel (weight-only), embeddings and norms shared: "the quantised target as its own draft". On a
-  CPU it reads a quarter of the bytes through the int8 kernel; elsewhere there is no int8 kernel
-  here, so the copy is dequantised back to the target's dtype (same speed as the target: honest
-  acceptance numbers, no speed-up).
+  channel (weight-only), embeddings and norms shared: "the quantised target as its own draft". It
+  reads a quarter of the bytes through the CPU int8 kernel, and exists only there.
 """
 
 from __future__ import annotations
@@ -20,7 +18,16 @@ from torch import nn
 from specdec.errors import UserError
 from specdec.models import cpu_gemm
 from specdec.models.linear import Linear, quantize_int8
-from specdec.models.llama import LlamaModel
+from specdec.models.llama import DecoderLayer, LlamaModel
+
+
+def follow_kernels(drafter: nn.Module, target: nn.Module) -> None:
+    """Give a drafter's decoder layers the kernel choice of the target's (see kernels.py): a drafter built
+    beside a target loaded with kernels="library" runs the library kernels too."""
+    choice = next((m.kernels for m in target.modules() if isinstance(m, DecoderLayer)), "auto")
+    for module in drafter.modules():
+        if isinstance(module, DecoderLayer):
+            module.kernels = choice
 
 
 def shell(target: LlamaModel, num_layers: int) -> LlamaModel:
@@ -51,14 +58,10 @@ def int8_copy(target: LlamaModel) -> LlamaModel:
     model = shell(target, target.config.num_layers)
     model.load_state_dict(target.state_dict(), assign=True)  # shares every tensor with the target...
     model.embed_tokens = target.embed_tokens
-    on_cpu = next(target.parameters()).device.type == "cpu" and cpu_gemm.available()
-    for name, module in model.named_modules():
+    if next(target.parameters()).device.type != "cpu" or not cpu_gemm.available():
+        raise UserError("an int8 copy runs on specdec's CPU int8 kernel: it needs a CPU model and a C compiler")
+    for module in model.modules():
         if isinstance(module, Linear):  # ...then each linear layer gets its own int8 weights
-            if on_cpu:
-                quantize_int8(module)
-            else:
-                packed, scales = cpu_gemm.pack_int8(module.weight.float().cpu())
-                w = cpu_gemm.dequantize(packed, scales, module.out_features)
-                module.weight = nn.Parameter(w.to(module.weight), requires_grad=False)
+            quantize_int8(module)
     model.name = f"{getattr(target, 'name', 'target')}[int8]"
     return model.eval()

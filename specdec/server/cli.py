@@ -54,10 +54,10 @@ def add_server_commands(sub) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none or ngram (stateless drafters; rows join and leave freely)")
+    from specdec.cli import add_drafter_args
+
+    add_drafter_args(p)
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per step (`on`, `batch-threshold`); the most `cost` tries")
-    p.add_argument("--ngram-max", type=int, default=3)
-    p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--spec-threshold", type=int, default=4, help="batch-threshold: speculate while running requests <= N")
 
 
@@ -68,11 +68,10 @@ def require_serve_extra() -> None:
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
+    from specdec.cli import check_drafter_args
     from specdec.server.policy import check_policy
-    from specdec.server.scheduler import SERVER_DRAFTERS
 
-    if args.drafter not in SERVER_DRAFTERS:
-        raise UserError(f"the server supports the drafters {', '.join(SERVER_DRAFTERS)}, not {args.drafter!r}")
+    check_drafter_args(args)
     check_policy(args.spec_policy, args.gamma, args.spec_threshold)
     for name in ("max_batch", "default_max_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
@@ -88,6 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)
     import uvicorn
 
+    from specdec.cli import drafter_extra
     from specdec.drafters import DrafterOptions, build_drafter
     from specdec.models import load_model
     from specdec.models.llama import LlamaModel
@@ -95,7 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
     from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
 
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
     if not isinstance(target, LlamaModel):
         raise UserError(f"{args.model}: the server batches the native Llama-family implementation only")
     if target.tokenizer is None:
@@ -108,7 +108,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print("specdec: measuring target forward times per batch size and draft length (once) ...", file=sys.stderr, flush=True)
         costs = measure_batch_costs(target, *cost_grid(args.max_batch, args.gamma))
     policy = SpecPolicy(args.spec_policy, args.gamma, args.spec_threshold, costs)
-    drafter = build_drafter(args.drafter, target, DrafterOptions(ngram_max=args.ngram_max, ngram_min=args.ngram_min))
+    options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                             extra=drafter_extra(args))
+    drafter = build_drafter(args.drafter, target, options)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context)
     scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config)
     device = describe_device(target)
@@ -123,6 +125,18 @@ def run_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     server.run()
     return 0
+
+
+def drafter_argv(args: argparse.Namespace) -> list[str]:
+    """The drafter options given to bench-serve, as `specdec serve` arguments."""
+    argv = ["--drafter", args.drafter]
+    for name in ("draft_model", "eagle_head", "medusa_heads", "tree_nodes", "ngram_max", "ngram_min", "layers",
+                 "layer_skip_config", "window", "lookahead_ngram", "guesses"):
+        value = getattr(args, name)
+        if value is not None:
+            value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            argv += [f"--{name.replace('_', '-')}", value]
+    return argv
 
 
 def describe_device(target) -> str:
@@ -154,9 +168,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.url:
         health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan)
     else:
-        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                       "--drafter", args.drafter, "--gamma", str(args.gamma), "--ngram-max", str(args.ngram_max),
-                       "--ngram-min", str(args.ngram_min), "--spec-policy", args.policies[0],
+        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels,
+                       *drafter_argv(args), "--gamma", str(args.gamma), "--spec-policy", args.policies[0],
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
                        "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning"]

@@ -1,24 +1,24 @@
 """Continuous batching: one decode thread owns the running batch and steps it; requests join and
 leave between steps.
 
-Rows live at the front of one preallocated KV cache [L, max_batch, H, S, Dh]: rows 0..n-1 are the
-running requests, and every forward runs on a view of exactly those rows. Between steps, cancelled
-and finished rows leave (the last row's valid cache slots are copied into the hole) and waiting
-requests join (each prefilled alone into row n, its first token sampled there). A step drafts for
-every row with the stateless drafter (`none` or `ngram`), with one gamma for the batch from the
-speculation policy (policy.py) capped per row by what the row may still emit; runs one target
-forward over [pending token, d1..dk] per row; verifies each row (greedy rows together with
-`greedy_verify`; sampled rows one by one with `rejection_sample` and the request's own generator,
-so each request has its own seed); and trims each row's cache to what it kept: ragged acceptance.
+The batch is a RowBatch of max_batch slots (specdec/batch.py) and each step is the shared speculative
+step (specdec/step.py), the same one `SpecEngine` runs: every drafter works here, stateful ones too
+(they keep per-slot state and are told when a row joins). A request takes the lowest free slot and
+is prefilled with the others admitted at the same time (one batched forward); a finished, cancelled
+or failed row frees its slot. A step runs over the first n slots, n the smallest bucket (1, 2, 4, ...)
+holding every occupied slot, so a nearly idle server does not pay for max_batch rows; on CUDA each
+bucket and step shape is a captured graph. The speculation policy (policy.py) picks one gamma for
+the batch; the step caps it per row by what the row may still emit, verifies every row in one
+forward with ragged acceptance and each request's own sampling parameters and seed, and stops rows
+at EOS, max_tokens or a stop string (one implementation, batch.py).
 
-Seeds: a sampled request draws only from its own generator, so the same seed and the same
-speculation schedule (gamma per step, drafts) give the same text; under a different load the policy
-may choose other gammas, which consume other random draws: the text then differs while its
+Seeds: a sampled request draws its random numbers from a counter-based generator keyed by its own
+seed, so the same seed and the same speculation schedule (gamma per step) give the same text whatever
+else is in the batch; a different schedule consumes other numbers: the text then differs while its
 distribution stays the target's (lossless either way).
 
-Failure isolation: when a batched step raises, the step is redone row by row and only the rows that
-still fail are failed; errors while committing a row's tokens fail only that row. Prompts are
-prefilled one at a time (no chunked prefill): a long prompt delays the running rows' next step.
+Failure isolation: when a batched step raises, the step is redone row by row (each alone active: a
+step leaves inactive rows untouched) and only the rows that still fail are failed.
 """
 
 from __future__ import annotations
@@ -31,22 +31,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import Tensor
 
+from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams
-from specdec.drafters import DecodeState, Drafter
-from specdec.drafters.base import empty_proposal
-from specdec.kv_cache import KVCache
-from specdec.metrics import SpecStats
-from specdec.sampling import logits_to_probs, make_generator, sample
+from specdec.drafters import Drafter
 from specdec.server.metrics import ServerMetrics
 from specdec.server.policy import Acceptance, SpecPolicy
-from specdec.verify import VerifyResult, greedy_verify, rejection_sample
+from specdec.step import Stepper, StepReport, new_stepper
 
 log = logging.getLogger("specdec.server")
-
-GREEDY = SamplingParams()
-SERVER_DRAFTERS = ("none", "ngram")  # stateless drafters: rows can join and leave freely
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class QueueFull(Exception):
@@ -114,43 +108,24 @@ class Codec:
 
 
 @dataclass
-class Row:
-    """A running request: its tokens (the last one pending: emitted, not yet in the cache)."""
+class Serving:
+    """A running request: its row in the batch and what has been streamed of it."""
 
     request: GenerationRequest
-    tokens: list[int]
-    generator: torch.Generator | None  # None for greedy requests
+    row: Row
     acceptance: Acceptance
-    stats: SpecStats = field(default_factory=SpecStats)
     sent: int = 0  # characters of text already emitted
     last_emit: float = 0.0
-    finish_reason: str | None = None
-    text: str | None = None  # final text, cut before a stop string
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
 
 
-@dataclass
-class StepOutput:
-    tokens: list[list[int]]  # per row: the emitted tokens (accepted drafts + one)
-    drafted: list[int]
-    accepted: list[int]
-    budgets: list[int]
-
-
-def usage_of(row: Row) -> dict:
+def usage_of(serving: Serving) -> dict:
     """The request's OpenAI usage, with its speculation counters (the prefill counts as a step)."""
-    s, completion = row.stats, len(row.generated)
+    row = serving.row
+    s, prompt, completion = row.stats, len(row.request.prompt), len(row.generated)
     return {
-        "prompt_tokens": row.prompt_len,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": row.prompt_len + completion,
+        "total_tokens": prompt + completion,
         "speculation": {"steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
                         "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length},
     }
@@ -163,25 +138,9 @@ class SchedulerConfig:
     context: int = 2048  # prompt + max_tokens per request
 
 
-def row_view(cache: KVCache, lo: int, hi: int) -> KVCache:
-    """Rows lo..hi-1 of `cache` as a cache of their own (views: writes land in `cache`)."""
-    view = KVCache.__new__(KVCache)
-    view.k, view.v, view.lengths = cache.k[:, lo:hi], cache.v[:, lo:hi], cache.lengths[lo:hi]
-    view.max_len, view.static = cache.max_len, False
-    return view
-
-
-def verify_rows(rows: list[Row], draft: Tensor, logits: Tensor, num_drafted: Tensor) -> VerifyResult:
-    """draft [n, k], logits [n, k+1, V], num_drafted [n]: greedy rows by argmax, sampled rows by
-    rejection sampling with their own parameters and generator (drafts are deterministic: q one-hot)."""
-    result = greedy_verify(draft, logits, num_drafted)
-    for b, row in enumerate(rows):
-        params = row.request.sampling
-        if not params.greedy:
-            p = logits_to_probs(logits[b : b + 1], params)  # [1, k+1, V]
-            one = rejection_sample(draft[b : b + 1], None, p, row.generator, num_drafted[b : b + 1])
-            result.tokens[b], result.num_accepted[b] = one.tokens[0], one.num_accepted[0]
-    return result
+def bucket_for(slots: int, max_batch: int) -> int:
+    """The step size covering `slots` slots: the next power of two, at most max_batch."""
+    return min(next(b for b in BUCKETS if b >= slots) if slots <= BUCKETS[-1] else slots, max_batch)
 
 
 class Scheduler:
@@ -189,11 +148,13 @@ class Scheduler:
                  metrics: ServerMetrics | None = None) -> None:
         self.target, self.drafter, self.codec, self.policy, self.config = target, drafter, codec, policy, config
         self.metrics = metrics or ServerMetrics()
-        self.device = next(target.parameters()).device
-        self.eos = set(target.config.eos_token_ids) | ({codec.eos_token_id} - {None})
-        # gamma draft slots beyond the context, and the pending token, fit every row
-        self.cache = target.new_cache(config.max_batch, config.context + policy.gamma + 1)
-        self.rows: list[Row] = []
+        # the widest draft block beyond the context fits every row
+        width = drafter.shape(policy.gamma).width
+        self.full = new_stepper(target, drafter, config.max_batch, config.context + width + 2,
+                                list(eos_ids(target)), codec.decode)
+        self.batch = self.full.batch
+        self.steppers: dict[int, Stepper] = {config.max_batch: self.full}
+        self.running: dict[int, Serving] = {}  # slot -> request
         self.waiting: deque[GenerationRequest] = deque()
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
@@ -203,8 +164,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.rows)
-
+        return len(self.running)
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -255,17 +215,18 @@ class Scheduler:
         fail the rest ("the server is shutting down") and end the decode thread."""
         with self.cond:
             self.draining = True
-            self.cond.wait_for(lambda: not self.rows and not self.waiting, timeout=drain_s)
+            self.cond.wait_for(lambda: not self.running and not self.waiting, timeout=drain_s)
             self.stopping = True
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
-        for row in self.rows:
-            self.finish_with_error(row.request, "the server is shutting down")
+        for serving in self.running.values():
+            self.finish_with_error(serving.request, "the server is shutting down")
         for request in self.waiting:
             self.finish_with_error(request, "the server is shutting down")
-        self.rows.clear()
+        self.running.clear()
         self.waiting.clear()
+        self.full.reset()
 
     # ---- the decode thread --------------------------------------------------------------------
 
@@ -274,20 +235,16 @@ class Scheduler:
             try:
                 self.drop_cancelled()
                 self.admit()
-                self.remove_finished()  # rows done at their first token (EOS, max_tokens 1)
-                if self.rows:
+                if self.running:
                     self.step()
-                    self.remove_finished()
             except Exception as e:  # a bug outside any one request: fail the batch, keep serving
                 log.exception("decode loop error")
-                for row in self.rows:
-                    self.finish_with_error(row.request, f"internal error: {e}")
-                self.rows.clear()
-                self.cache.lengths.zero_()
+                for slot in list(self.running):
+                    self.fail(slot, f"internal error: {e}")
 
     def wait_for_work(self) -> bool:
         with self.cond:
-            while not self.stopping and (self.paused or not (self.rows or self.waiting)):
+            while not self.stopping and (self.paused or not (self.running or self.waiting)):
                 self.idle = True
                 self.cond.notify_all()
                 self.cond.wait()
@@ -295,145 +252,110 @@ class Scheduler:
             return not self.stopping
 
     def drop_cancelled(self) -> None:
-        for i in reversed(range(len(self.rows))):
-            if self.rows[i].request.cancelled:
-                self.remove_row(i)
+        for slot, serving in list(self.running.items()):
+            if serving.request.cancelled:
+                self.leave(slot)
         with self.cond:
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
 
     def admit(self) -> None:
-        while len(self.rows) < self.config.max_batch:
-            with self.cond:
-                if not self.waiting:
-                    return
-                request = self.waiting.popleft()
-            try:
-                row, first = self.prefill(request)
-            except Exception as e:
-                log.exception("prefill failed")
-                self.cache.lengths[len(self.rows)] = 0
+        """Prefill as many waiting requests as there are free slots, in one batched forward."""
+        free = self.batch.free_slots()
+        with self.cond:
+            joining = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        if not joining:
+            return
+        slots = free[: len(joining)]
+        requests = [Request(r.prompt_ids, r.max_tokens, r.sampling, r.stop) for r in joining]
+        try:
+            rows = self.full.prefill(slots, requests)
+        except Exception as e:
+            log.exception("prefill failed")
+            for slot, request in zip(slots, joining):
+                if slot in self.batch.rows:
+                    self.batch.release(slot)
                 self.finish_with_error(request, f"prefill failed: {type(e).__name__}: {e}")
-                continue
-            self.rows.append(row)
+            return
+        now = time.monotonic()
+        for request, row in zip(joining, rows):
+            serving = self.running[row.slot] = Serving(request, row, Acceptance.empty(self.policy.gamma), last_emit=now)
             self.metrics.count_prompt(len(request.prompt_ids))
-            self.commit_or_fail(row, [first], 0, 0)
-
-    def prefill(self, request: GenerationRequest) -> tuple[Row, int]:
-        """Run the prompt alone into row n (the next free one); the new row and its first token."""
-        i, T = len(self.rows), len(request.prompt_ids)
-        view = row_view(self.cache, i, i + 1)
-        view.lengths.zero_()
-        ids = torch.tensor([request.prompt_ids], device=self.device)  # [1, T]
-        out = self.target(ids, torch.arange(T, device=self.device)[None], view,
-                          logits_at=torch.tensor([T - 1], device=self.device))
-        params = request.sampling
-        generator = None if params.greedy else make_generator(params.seed, self.device)
-        logits = out.logits[:, 0]  # [1, V]
-        first = logits.argmax(-1) if params.greedy else sample(logits_to_probs(logits, params), generator)
-        return Row(request, list(request.prompt_ids), generator, Acceptance.empty(self.policy.gamma)), int(first)
+            self.emit(serving, row.generated)
+        self.remove_finished()
 
     def step(self) -> None:
-        n = len(self.rows)
-        gamma = self.policy.choose([row.acceptance for row in self.rows])
+        slots = sorted(self.running)
+        gamma = self.policy.choose([self.running[s].acceptance for s in slots])
+        rooms = {s: self.running[s].request.max_tokens - len(self.running[s].row.generated) - 1 for s in slots}
+        self.batch.gamma.fill_(gamma)
+        stepper = self.stepper_for(slots[-1] + 1)
         try:
-            outputs = [(0, self.forward_step(0, n, gamma))]
+            stepper.launch(gamma)
+            reports = [stepper.read()]
         except Exception:
             log.exception("batched step failed; retrying row by row")
-            outputs = []
-            for i in range(n):
-                try:
-                    outputs.append((i, self.forward_step(i, i + 1, gamma)))
-                except Exception as e:
-                    self.finish_with_error(self.rows[i].request, f"decode step failed: {type(e).__name__}: {e}")
-                    self.rows[i].finish_reason = "error"
-        for lo, out in outputs:
-            self.metrics.observe_step(len(out.tokens), gamma, out.drafted, out.accepted)
-            for b, tokens in enumerate(out.tokens):
-                row = self.rows[lo + b]
-                row.acceptance.observe(out.budgets[b], out.accepted[b])
-                self.commit_or_fail(row, tokens, out.drafted[b], out.accepted[b])
+            stepper.in_flight.clear()
+            reports = self.step_rows_alone(stepper, slots, gamma)
+        for report in reports:
+            budgets = [max(0, min(gamma, rooms[rs.row.slot])) for rs in report.rows]
+            accepted = [rs.accepted for rs in report.rows]
+            self.policy.observe_step(budgets, accepted, report.draft_s)
+            self.metrics.observe_step(len(report.rows), gamma, [rs.drafted for rs in report.rows], accepted)
+            for rs, budget in zip(report.rows, budgets):
+                serving = self.running[rs.row.slot]
+                serving.acceptance.observe(budget, rs.accepted)
+                self.emit(serving, rs.new)
+        self.remove_finished()
 
-    def commit_or_fail(self, row: Row, tokens: list[int], drafted: int, accepted: int) -> None:
-        try:
-            self.commit(row, tokens, drafted, accepted)
-        except Exception as e:
-            log.exception("commit failed")
-            self.finish_with_error(row.request, f"{type(e).__name__}: {e}")
-            row.finish_reason = "error"
+    def stepper_for(self, slots: int) -> Stepper:
+        """The stepper over the first bucket_for(slots) slots (views of the full batch)."""
+        n = bucket_for(slots, self.config.max_batch)
+        if n not in self.steppers:
+            full = self.full
+            self.steppers[n] = Stepper(self.target, self.drafter, full.batch.head(n), full.cache.head(n), full.graphs,
+                                       full.decode)
+        return self.steppers[n]
 
-    def forward_step(self, lo: int, hi: int, gamma: int) -> StepOutput:
-        """Draft, verify and trim rows lo..hi-1; the cache is left as before if anything raises."""
-        rows = self.rows[lo:hi]
-        budgets = [max(0, min(gamma, r.request.max_tokens - len(r.generated) - 1)) for r in rows]
-        state = DecodeState(tokens=[r.tokens for r in rows], prompt_lengths=[r.prompt_len for r in rows],
-                            active=[True] * len(rows), sampling=GREEDY, generator=None, device=self.device,
-                            max_len=self.cache.max_len)
-        t = time.perf_counter()
-        proposal = self.drafter.propose(state, max(budgets)) if max(budgets) > 0 else empty_proposal(state)
-        draft_s = time.perf_counter() - t
-        num_drafted = torch.tensor(budgets, device=self.device).clamp(max=proposal.tokens.shape[1])  # [n]
-        if proposal.num_drafted is not None:
-            num_drafted = torch.minimum(num_drafted, proposal.num_drafted)
-        k = int(num_drafted.max())  # rows with no draft do not widen the forward
-        draft = proposal.tokens[:, :k]  # [n, k]
-        view = row_view(self.cache, lo, hi)
-        start = view.lengths.clone()  # [n]
-        pending = torch.tensor([r.tokens[-1] for r in rows], device=self.device)  # [n]
-        block = torch.cat([pending[:, None], draft], dim=1)  # [n, k+1]
-        try:
-            out = self.target(block, start[:, None] + torch.arange(k + 1, device=self.device), view)
-            result = verify_rows(rows, draft, out.logits, num_drafted)
-        except Exception:
-            view.lengths.copy_(start)
-            raise
-        view.trim(start + result.num_accepted + 1)
-        accepted = result.num_accepted.tolist()
-        self.policy.observe_step(budgets, accepted, draft_s)
-        emitted = [row[: a + 1] for row, a in zip(result.tokens.tolist(), accepted)]
-        return StepOutput(emitted, num_drafted.tolist(), accepted, budgets)
+    def step_rows_alone(self, stepper: Stepper, slots: list[int], gamma: int) -> list[StepReport]:
+        """The step once per row with only that row active (eagerly); rows whose step raises fail."""
+        active = self.batch.active.clone()
+        reports = []
+        for slot in slots:
+            alone = torch.zeros_like(active)
+            alone[slot] = active[slot]
+            self.batch.active.copy_(alone)
+            try:
+                stepper.launch(gamma, eager=True)
+                reports.append(stepper.read())
+            except Exception as e:
+                stepper.in_flight.clear()
+                self.fail(slot, f"decode step failed: {type(e).__name__}: {e}")
+            active[slot] = self.batch.active[slot]
+        self.batch.active.copy_(active & torch.tensor([s in self.running for s in range(self.batch.capacity)],
+                                                      device=active.device))
+        return reports
 
-    def commit(self, row: Row, new: list[int], drafted: int, accepted: int) -> None:
-        """Append a row's emitted tokens up to a stop condition (EOS kept; a stop string cuts the text
-        and the tokens after the one that completed it) and hand the request its new text."""
-        kept = new[: row.request.max_tokens - len(row.generated)]
-        for i, token in enumerate(kept):
-            if token in self.eos:
-                kept, row.finish_reason = kept[: i + 1], "stop"
-                break
-        before = row.generated
-        text = self.codec.decode(before + kept)
-        if find_stop(text, row.request.stop) is not None:
-            for m in range(1, len(kept) + 1):  # the first token that completes a stop string
-                text = self.codec.decode(before + kept[:m])
-                hit = find_stop(text, row.request.stop)
-                if hit is not None:
-                    kept, text, row.finish_reason = kept[:m], text[:hit], "stop"
-                    break
-        row.tokens.extend(kept)
-        row.stats.record_step(drafted, accepted, len(kept))
-        if row.finish_reason is None and len(row.generated) >= row.request.max_tokens:
-            row.finish_reason = "length"
-        self.emit(row, text, kept)
-
-    def emit(self, row: Row, text: str, kept: list[int]) -> None:
+    def emit(self, serving: Serving, new: list[int]) -> None:
+        """Hand the request its new text (what a stop string or an unfinished UTF-8 character cannot still
+        change) and, when the row has finished, its finish reason and usage."""
         now = time.monotonic()
-        request = row.request
+        request, row = serving.request, serving.row
+        text = row.text if row.text is not None else self.codec.decode(row.generated)
         if row.finish_reason is None:
-            # hold back what a stop string or an unfinished UTF-8 character might still change
             safe = len(text) - max((len(s) - 1 for s in request.stop), default=0)
             while safe > 0 and text[safe - 1] == "\ufffd":
                 safe -= 1
-            delta = text[row.sent : max(safe, row.sent)]
+            delta = text[serving.sent : max(safe, serving.sent)]
         else:
-            delta = text[row.sent :]
-        row.sent += len(delta)
+            delta = text[serving.sent :]
+        serving.sent += len(delta)
         first = row.stats.steps == 1
-        self.metrics.observe_tokens(len(kept), None if first else now - row.last_emit, first, now - request.arrival)
-        row.last_emit = now
-        event = Event(delta, kept)
+        self.metrics.observe_tokens(len(new), None if first else now - serving.last_emit, first, now - request.arrival)
+        serving.last_emit = now
+        event = Event(delta, new)
         if row.finish_reason is not None:
-            event.finish_reason = row.finish_reason
-            event.usage = usage_of(row)
+            event.finish_reason = "length" if row.finish_reason == "length" else "stop"  # OpenAI's: EOS is a stop
+            event.usage = usage_of(serving)
             with self.cond:
                 request.done = True
             if not request.cancelled:
@@ -450,30 +372,21 @@ class Scheduler:
             self.metrics.count_request("failed")
         deliver(request, Event(error=message))
 
-    def remove_finished(self) -> None:
-        for i in reversed(range(len(self.rows))):
-            if self.rows[i].finish_reason is not None:
-                self.remove_row(i)
+    def fail(self, slot: int, message: str) -> None:
+        self.finish_with_error(self.running[slot].request, message)
+        self.leave(slot)
 
-    def remove_row(self, i: int) -> None:
-        """Free row i: the last row moves into its place (only its valid cache slots are copied)."""
-        last = len(self.rows) - 1
-        if i != last:
-            n = int(self.cache.lengths[last])
-            self.cache.k[:, i, :, :n] = self.cache.k[:, last, :, :n]
-            self.cache.v[:, i, :, :n] = self.cache.v[:, last, :, :n]
-            self.cache.lengths[i] = n
-            self.rows[i] = self.rows[last]
-        self.rows.pop()
-        self.cache.lengths[last] = 0
+    def remove_finished(self) -> None:
+        for slot, serving in list(self.running.items()):
+            if serving.row.finished:
+                self.leave(slot)
+
+    def leave(self, slot: int) -> None:
+        """Free a row's slot: it drafts and emits nothing from the next step on."""
+        self.batch.release(slot)
+        del self.running[slot]
         with self.cond:
             self.cond.notify_all()
-
-
-def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the earliest stop string starts in text, or None."""
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
 
 
 def deliver(request: GenerationRequest, event: Event) -> None:

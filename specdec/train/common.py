@@ -195,10 +195,3 @@ def command_line(args: argparse.Namespace) -> str:
         words += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return shlex.join(words)
 
-
-def eos_ids(target) -> tuple[int, ...]:
-    """The target's end-of-sequence ids: always kept in a reduced draft vocabulary."""
-    ids = set(target.config.eos_token_ids)
-    if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
-        ids.add(target.tokenizer.eos_token_id)
-    return tuple(sorted(ids))

@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from specdec.batch import eos_ids
 from specdec.drafters.draft_model import SharedDraftModel, borrow_target_weights
 from specdec.errors import UserError
 from specdec.models import load_model
@@ -54,7 +55,6 @@ from specdec.train.common import (
     PaddedBatch,
     batch_schedule,
     command_line,
-    eos_ids,
     frequent_vocab,
     learning_rate,
     load_checkpoint,

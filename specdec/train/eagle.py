@@ -59,12 +59,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from specdec.batch import eos_ids
 from specdec.errors import UserError
 from specdec.models.eagle import EagleConfig, EagleHead, save_eagle_head
 from specdec.train.common import (
     CHECKPOINT,
     Checkpoint,
-    eos_ids,
     PaddedBatch,
     batch_schedule,
     command_line,
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_paths(args)
     started = time.perf_counter()
-    target = load_model(args.model, dtype=args.dtype, device=args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
     features = training_features(args, target)
     collected = time.perf_counter()
     result = train_eagle(target, features, config, out, resume=args.resume)

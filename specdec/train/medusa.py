@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from specdec.batch import eos_ids
 from specdec.drafters.medusa import DEFAULT_TREE, sparse_tree
 from specdec.errors import UserError
 from specdec.models import load_model
@@ -38,7 +39,6 @@ from specdec.train.common import (
     PaddedBatch,
     batch_schedule,
     command_line,
-    eos_ids,
     frequent_vocab,
     learning_rate,
     load_checkpoint,

@@ -1,0 +1,398 @@
+"""One speculative step over a RowBatch, shared by the engine and the server.
+
+A step has three phases, each pure device work over every slot of the batch (rows that stopped flow
+through masked; they never change):
+
+1. propose: the drafter drafts a chain of gamma tokens or a tree per row;
+2. verify: one target forward over [pending token, drafts] per row, greedy or rejection-sampling
+   verification (per row: its own parameters and seed), each row's budget applied (the policy's gamma,
+   never past max_new_tokens), the emitted tokens appended to the rows with EOS and length stops, and
+   the target's KV cache rolled back (chain) or compacted (tree) to what was kept;
+3. commit: the drafter updates its own state from what was kept.
+
+`Stepper` runs steps. On CUDA it captures each phase once per step shape (gamma, and whether any
+row samples) in a CUDA graph and replays it; elsewhere (or for a drafter that is not graph-safe, or
+with an observer) it runs the phases eagerly. Either way the host learns a step's outcome from one
+asynchronous copy of a small packed tensor (emitted tokens and counters) into a pinned buffer, so it
+can launch the next step before reading the last one (`launch`, then `read`). Phase boundaries are
+marked with CUDA events (or the host clock on a CPU), which give the draft and verify times of every
+step without stalling the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from specdec.batch import FINISH_CODES, Request, Row, RowBatch, append, budgets, cut_at_stop_string
+from specdec.costs import Stopwatch
+from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens
+from specdec.kv_cache import KVCache
+from specdec.models import fused
+from specdec.sampling import logits_to_probs, sample, uniforms
+from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
+
+# What the host reads back per slot, after the D+1 emitted tokens.
+KEPT, ACCEPTED, DRAFTED, NODES, FINISH = range(5)
+
+
+@dataclass
+class StepRecord:
+    """What one verification step saw, for observers (rejection analysis). Tensors are the step's own."""
+
+    draft_tokens: Tensor  # [B, k]
+    q: Tensor | None  # [B, k, V] draft distribution (None = deterministic draft)
+    num_drafted: Tensor  # [B]
+    target_logits: Tensor  # [B, k+1, V] float32
+    result: VerifyResult  # num_accepted after the rows' budgets
+    num_generated: list[int]  # per row: tokens generated before this step
+    active: list[bool]  # rows that took part in the step
+    tree: TreeSpec | None = None  # the tree of a tree proposal (draft_tokens are then its nodes)
+
+
+Observer = Callable[[StepRecord], None]
+
+
+@dataclass
+class StepOutput:
+    verified: Verified
+    packed: Tensor  # [B, D+1+5] emitted tokens, then KEPT, ACCEPTED, DRAFTED, NODES, FINISH
+    record: StepRecord | None = None
+
+
+def draw_uniforms(batch: RowBatch, offset: int, n: int, any_sampled: bool) -> Tensor | None:
+    """[B, n] uniforms for the rows' lanes offset .. offset+n-1 of this step (None when no row samples)."""
+    if not any_sampled or n == 0:
+        return None
+    return uniforms(batch.seed, batch.draws + offset, n)
+
+
+def propose(drafter: Drafter, batch: RowBatch, gamma: int, shape: DraftShape, any_sampled: bool) -> Proposal:
+    return drafter.propose(batch, gamma, draw_uniforms(batch, 0, shape.lanes, any_sampled))
+
+
+@dataclass
+class Checked:
+    """What verifying one block decided per row (rows' budgets applied)."""
+
+    result: VerifyResult  # emitted tokens [B, D+1] (path [B, D+1] for a tree)
+    accepted: Tensor  # [B] accepted drafts, at most the row's budget
+    num_drafted: Tensor  # [B] drafts counted as proposed (a tree: its depth)
+    nodes: Tensor  # [B] draft tokens the target verified
+    hidden: Tensor  # [B, D+1, Dm] the target's hidden states at the kept entries, pending token first
+    logits: Tensor  # [B, T, V]
+    lanes: int  # uniforms the step consumed per row
+
+
+def check_chain(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal | None, budget: Tensor,
+                shape: DraftShape, any_sampled: bool) -> Checked:
+    """block [B, k+1] = [pending, d1..dk]: one forward at the next positions, chain verification."""
+    start, width = cache.lengths, block.shape[1] - 1
+    out = target(block, start[:, None] + torch.arange(width + 1, device=block.device), cache)
+    num_drafted = budget.clamp(max=width)
+    if proposal is not None and proposal.num_drafted is not None:
+        num_drafted = torch.minimum(num_drafted, proposal.num_drafted)
+    u = draw_uniforms(batch, shape.lanes, width + 1, any_sampled)
+    q = proposal.q if proposal is not None else None
+    result = verify_chain(block[:, 1:], q, out.logits, batch.sampling, u, num_drafted, any_sampled)
+    return Checked(result, result.num_accepted, num_drafted, num_drafted, out.hidden, out.logits,
+                   shape.lanes + width + 1)
+
+
+def check_tree(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal, budget: Tensor,
+               shape: DraftShape, any_sampled: bool) -> Checked:
+    """block [B, N+1] = [pending, nodes]: one forward with the ancestor mask at depth positions, tree verification;
+    the accepted path is cut at the row's budget (a prefix of a verified path is verified too)."""
+    tree = proposal.tree
+    out = target(block, cache.lengths[:, None] + tree.depths(), cache, mask=tree.ancestor_mask())
+    u = draw_uniforms(batch, shape.lanes, tree_uniforms_needed(tree), any_sampled)
+    result = verify_tree(block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
+    hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))  # [B, D+1, Dm]
+    return Checked(result, torch.minimum(result.num_accepted, budget), budget.clamp(max=shape.depth),
+                   tree.valid().sum(-1), hidden, out.logits, shape.lanes + tree_uniforms_needed(tree))
+
+
+def verify(target, cache: KVCache, batch: RowBatch, proposal: Proposal | None, shape: DraftShape, any_sampled: bool,
+           observe: bool = False) -> StepOutput:
+    """Phase 2: the target's verify forward and verification, then the kept tokens appended to the rows
+    (EOS and length stops) and the target's cache rolled back (chain) or compacted (tree) to them."""
+    took_part = batch.active.clone()  # [B]
+    budget = budgets(batch)  # [B]
+    start = cache.lengths.clone()  # [B] every token but the pending one is in the cache
+    generated = (batch.length - batch.prompt_length).tolist() if observe else None
+    pending = pending_tokens(batch)[:, None]  # [B, 1]
+    drafts = proposal.tokens if proposal is not None else pending[:, :0]  # [B, N]
+    block = torch.cat([pending, drafts], dim=1)  # [B, T]
+    tree = proposal.tree if proposal is not None else None
+    check = check_tree if tree is not None else check_chain
+    c = check(target, cache, batch, block, proposal, budget, shape, any_sampled)
+    accepted = torch.where(took_part, c.accepted, 0)
+    num_drafted = torch.where(took_part, c.num_drafted, 0)
+    nodes = torch.where(took_part, c.nodes, 0)
+    kept, finish = append(batch, c.result.tokens, accepted + 1)
+    if tree is None:
+        cache.lengths.copy_(torch.where(kept > 0, start + accepted + 1, start))
+    else:
+        cache.compact(start, c.result.path, torch.where(kept > 0, accepted + 1, 0))
+    batch.draws += torch.where(took_part, c.lanes, 0)
+    emitted = torch.where(torch.arange(c.result.tokens.shape[1], device=block.device) < kept[:, None], c.result.tokens, 0)
+    packed = torch.cat([emitted, torch.stack([kept, accepted, num_drafted, nodes, finish], dim=1)], dim=1)
+    verified = Verified(proposal or Proposal(drafts), accepted, kept, c.hidden, c.logits)
+    record = None
+    if observe:
+        capped = dataclasses.replace(c.result, num_accepted=accepted)
+        record = StepRecord(drafts, verified.proposal.q, num_drafted, c.logits, capped, generated,
+                            took_part.tolist(), tree)
+    return StepOutput(verified, packed, record)
+
+
+@dataclass
+class Captured:
+    """One step shape's phases as CUDA graphs, and the output buffers they write."""
+
+    propose: torch.cuda.CUDAGraph | None
+    verify: torch.cuda.CUDAGraph
+    commit: torch.cuda.CUDAGraph
+    out: StepOutput
+
+
+@dataclass
+class Launched:
+    """A step on its way: where its packed outcome will land and the events that time it."""
+
+    host: Tensor  # [B, D+1+5] (pinned on CUDA)
+    done: torch.cuda.Event | None
+    watch: Stopwatch
+    record: StepRecord | None
+
+
+@dataclass
+class RowStep:
+    """One row's part in one step, as the host learns it."""
+
+    row: Row
+    new: list[int]  # tokens appended to the row (after stop strings)
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class StepReport:
+    rows: list[RowStep]
+    draft_s: float  # this step's propose + commit time
+    verify_s: float
+
+
+@dataclass
+class StepTimes:
+    """Seconds per phase on the device and on the host, summed over the steps read so far."""
+
+    draft_s: float = 0.0  # propose + commit (device)
+    verify_s: float = 0.0  # (device)
+    host_s: float = 0.0  # the host's own work: launching steps and handing their outcomes to the rows
+    wait_s: float = 0.0  # the host waiting for the device
+    steps: int = 0
+
+
+class Stepper:
+    """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill`
+    and leave with `batch.release`; `launch` enqueues a step and `read` hands its outcome to the rows."""
+
+    def __init__(self, target, drafter: Drafter, batch: RowBatch, cache: KVCache, graphs: bool,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        self.target, self.drafter, self.batch, self.cache, self.decode = target, drafter, batch, cache, decode
+        self.graphs = graphs and drafter.graphable
+        self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.times = StepTimes()
+        self.in_flight: deque[Launched] = deque()
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.device
+
+    # ---- rows joining --------------------------------------------------------------------------
+
+    def prefill(self, slots: list[int], requests: list[Request]) -> list[Row]:
+        """Occupy `slots` with `requests`: one forward over their right-padded prompts (into a scratch cache,
+        copied into the slots), the first token sampled, the drafter told. Runs eagerly, between steps."""
+        batch, dev = self.batch, self.device
+        rows = batch.occupy(slots, requests)
+        batch.sampling.max_top_k = batch.sampling_mode()[1]
+        index = torch.tensor(slots, device=dev)  # [n]
+        lengths = batch.prompt_length[index]  # [n]
+        T = max(len(r.prompt) for r in requests)
+        scratch = self.target.new_cache(len(slots), T)
+        block = batch.tokens[index, :T]  # [n, T]
+        out = self.target(block, torch.arange(T, device=dev).expand_as(block), scratch, logits_at=lengths - 1)
+        self.cache.k[:, index, :, :T] = scratch.k
+        self.cache.v[:, index, :, :T] = scratch.v
+        self.cache.lengths[index] = lengths
+        logits = out.logits[:, 0]  # [n, V]
+        if any(not r.sampling.greedy for r in requests):
+            probs = logits_to_probs(logits, batch.sampling.index(index))
+            first = sample(probs, uniforms(batch.seed[index], batch.draws[index], 1)[:, 0])
+            batch.draws[index] += 1
+        else:
+            first = logits.argmax(-1)
+        emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=dev)
+        emitted[index, 0] = first
+        joining = torch.zeros(batch.capacity, dtype=torch.long, device=dev)
+        joining[index] = 1
+        kept, finish = append(batch, emitted, joining)
+        self.drafter.join(batch, index, out.hidden)
+        zeros = torch.zeros_like(kept)
+        packed = torch.cat([emitted, torch.stack([kept, zeros, zeros, zeros, finish], dim=1)], dim=1)
+        self.absorb(packed.tolist(), only=set(slots))
+        return rows
+
+    def reset(self) -> None:
+        """Forget every row and step in flight (after a run, or after an error)."""
+        for slot in list(self.batch.rows):
+            self.batch.release(slot)
+        self.in_flight.clear()
+        self.times = StepTimes()
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
+        """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
+        with an observer, or when asked)."""
+        t = time.perf_counter()
+        batch, drafter = self.batch, self.drafter
+        gamma = gamma if drafter.shape(gamma).width else 0
+        shape = drafter.shape(gamma) if gamma else DraftShape(0, 0)
+        any_sampled, max_top_k = batch.sampling_mode()
+        batch.sampling.max_top_k = max_top_k
+        watch = Stopwatch(self.device)
+        if self.graphs and observer is None and not eager:
+            key = (gamma, any_sampled, max_top_k)
+            captured = self.captured.get(key) or self.capture(key, shape)
+            watch.mark("start")
+            if captured.propose is not None:
+                captured.propose.replay()
+            watch.mark("drafted")
+            captured.verify.replay()
+            watch.mark("verified")
+            captured.commit.replay()
+            watch.mark("committed")
+            out = captured.out
+        else:
+            out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None)
+        launched = self.copy_out(out, watch)
+        if observer is not None:
+            observer(out.record)
+        self.in_flight.append(launched)
+        self.times.host_s += time.perf_counter() - t
+        return launched
+
+    def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch | None = None,
+                   observe: bool = False) -> StepOutput:
+        watch = watch or Stopwatch(self.device)
+        watch.mark("start")
+        proposal = propose(self.drafter, self.batch, gamma, shape, any_sampled) if gamma else None
+        watch.mark("drafted")
+        out = verify(self.target, self.cache, self.batch, proposal, shape, any_sampled, observe)
+        watch.mark("verified")
+        self.drafter.commit(self.batch, out.verified)
+        watch.mark("committed")
+        return out
+
+    def capture(self, key: tuple[int, bool, int], shape: DraftShape) -> Captured:
+        """Warm up (compile kernels, pick algorithms) with every row inactive, which leaves the rows as they
+        are, then capture the three phases in graphs sharing one memory pool. A phase with no device work
+        (a stateless drafter's commit) gives an empty graph: torch warns about it, needlessly."""
+        gamma, any_sampled, _ = key
+        batch = self.batch
+        active = batch.active.clone()
+        batch.active.zero_()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with fused.fusing(), torch.cuda.stream(side):
+            for _ in range(2):
+                self.run_phases(gamma, shape, any_sampled)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = [torch.cuda.CUDAGraph() for _ in range(3)]
+        with fused.fusing(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            proposal = None
+            if gamma:
+                with torch.cuda.graph(graphs[0], pool=self.pool):
+                    proposal = propose(self.drafter, batch, gamma, shape, any_sampled)
+            with torch.cuda.graph(graphs[1], pool=self.pool):
+                out = verify(self.target, self.cache, batch, proposal, shape, any_sampled)
+            with torch.cuda.graph(graphs[2], pool=self.pool):
+                self.drafter.commit(batch, out.verified)
+        batch.active.copy_(active)
+        self.captured[key] = Captured(graphs[0] if gamma else None, graphs[1], graphs[2], out)
+        return self.captured[key]
+
+    def copy_out(self, out: StepOutput, watch: Stopwatch) -> Launched:
+        if self.device.type != "cuda":
+            return Launched(out.packed.clone(), None, watch, out.record)
+        host = torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
+        host.copy_(out.packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(host, done, watch, out.record)
+
+    def read(self) -> StepReport:
+        """Wait for the oldest launched step and hand its outcome to the rows."""
+        launched = self.in_flight.popleft()
+        t = time.perf_counter()
+        if launched.done is not None:
+            launched.done.synchronize()
+        waited = time.perf_counter()
+        w = launched.watch
+        draft_s = w.seconds("start", "drafted") + w.seconds("verified", "committed")
+        verify_s = w.seconds("drafted", "verified")
+        self.times.draft_s += draft_s
+        self.times.verify_s += verify_s
+        self.times.steps += 1
+        report = StepReport(self.absorb(launched.host.tolist()), draft_s, verify_s)
+        self.times.wait_s += waited - t
+        self.times.host_s += time.perf_counter() - waited
+        return report
+
+    def absorb(self, packed: list[list[int]], only: set[int] | None = None) -> list[RowStep]:
+        """Append each running row's emitted tokens, apply stop strings, count the step, note finishes."""
+        steps = []
+        for slot, row in self.batch.rows.items():
+            if row.finished or (only is not None and slot not in only):
+                continue
+            values = packed[slot]
+            D = len(values) - 5
+            kept, accepted, drafted, nodes, finish = values[D:]
+            if kept == 0:
+                continue
+            new = values[:kept]
+            if row.request.stop and self.decode is not None:
+                new, text = cut_at_stop_string(self.decode, row.generated, new, row.request.stop)
+                if text is not None:
+                    row.text = text
+                    self.batch.finish(row, "stop")
+            row.generated += new
+            row.stats.record_step(drafted, accepted, len(new), nodes)
+            if not row.finished and FINISH_CODES[finish] is not None:
+                row.finish_reason = FINISH_CODES[finish]
+            steps.append(RowStep(row, new, drafted, accepted))
+        return steps
+
+
+def new_stepper(target, drafter: Drafter, capacity: int, max_len: int, eos_ids: list[int],
+                decode: Callable[[list[int]], str] | None = None, graphs: bool | None = None) -> Stepper:
+    """A Stepper over a fresh batch of `capacity` slots of `max_len` tokens. graphs: capture steps in
+    CUDA graphs (default: on a CUDA device)."""
+    device = next(target.parameters()).device
+    graphs = device.type == "cuda" if graphs is None else graphs
+    batch = RowBatch(capacity, max_len, eos_ids, device, static=graphs)
+    drafter.attach(batch)
+    cache = target.new_cache(capacity, max_len, static=graphs)
+    return Stepper(target, drafter, batch, cache, graphs, decode)

@@ -1,0 +1,127 @@
+"""The shared speculative step (specdec/step.py) over a RowBatch, for every kind of drafter state:
+
+- a step leaves rows that do not take part exactly as they were (what lets rows stop, leave and join
+  between steps, and lets a CUDA graph be warmed up on a live batch);
+- rows joining and leaving mid-run each give the tokens of decoding that prompt alone;
+- on CUDA, replaying captured graphs gives the tokens of running the same steps eagerly.
+Greedy equality per drafter and sampling's distribution are tested in test_engine*.py, test_eagle.py,
+test_medusa.py, test_training_free.py and test_sampling_e2e.py, which all run through this step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import specdec
+from conftest import DEVICE
+from specdec import SamplingParams, SpecConfig
+from specdec.batch import Request, eos_ids
+from specdec.drafters import DrafterOptions, build_drafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+from specdec.drafters.medusa import DEFAULT_TREE, MedusaDrafter, MedusaTree
+from specdec.kv_cache import KVCache
+from specdec.step import new_stepper
+from test_eagle import random_head
+from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
+from test_medusa import random_heads
+
+DRAFTERS = ["none", "ngram", "draft_model", "eagle", "medusa", "lookahead"]
+
+
+def make_drafter(name: str, target, draft):
+    if name == "draft_model":
+        return DraftModelDrafter(target, draft)
+    if name == "eagle":
+        return EagleDrafter(target, random_head(target, draft_vocab=64), EagleTreeConfig(depth=3, branch=2, frontier=2,
+                                                                                          total_tokens=6))
+    if name == "medusa":
+        return MedusaDrafter(target, random_heads(target), MedusaTree.of(DEFAULT_TREE, 4))
+    return build_drafter(name, target, DrafterOptions())
+
+
+def snapshot(state) -> object:
+    """Everything a step may not change for rows that do not take part: tensors as they are, and of a
+    KV cache its lengths and each row's valid slots (slots past a row's length are scratch)."""
+    if isinstance(state, KVCache):
+        lengths = state.lengths.tolist()
+        return lengths, [(state.k[:, b, :, :n].clone(), state.v[:, b, :, :n].clone()) for b, n in enumerate(lengths)]
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if dataclasses.is_dataclass(state):
+        return {f.name: snapshot(getattr(state, f.name)) for f in dataclasses.fields(state)}
+    if isinstance(state, dict):
+        return {k: snapshot(dataclasses.asdict(v)) if dataclasses.is_dataclass(v) else v for k, v in state.items()}
+    return state
+
+
+def assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_a_step_leaves_rows_that_do_not_take_part_alone(models, name):  # noqa: F811
+    target, _, draft = models
+    stepper = new_stepper(target, make_drafter(name, target, draft), 2, 128, list(eos_ids(target)), graphs=False)
+    stepper.prefill([0, 1], [Request(PROMPTS[0], 20), Request(PROMPTS[2], 20)])
+    stepper.batch.gamma.fill_(3)
+    for _ in range(2):
+        stepper.launch(3)
+        stepper.read()
+    batch = stepper.batch
+    before = [snapshot(x) for x in (batch.tokens, batch.length, batch.draws, stepper.cache, batch.draft)]
+    batch.active.zero_()
+    stepper.launch(3)
+    report = stepper.read()
+    after = [snapshot(x) for x in (batch.tokens, batch.length, batch.draws, stepper.cache, batch.draft)]
+    assert report.rows == []
+    assert_same(before, after, name)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle", "medusa"])
+def test_rows_joining_and_leaving_decode_as_alone(models, plain, name):  # noqa: F811
+    """Slot 1 leaves early and is taken by a new row while slot 0 runs on; a third row joins slot 2."""
+    target, _, draft = models
+    stepper = new_stepper(target, make_drafter(name, target, draft), 3, 128, list(eos_ids(target)))
+    batch = stepper.batch
+    batch.gamma.fill_(3)
+    first, leaving = stepper.prefill([0, 1], [Request(PROMPTS[0], MAX_NEW), Request(PROMPTS[1], MAX_NEW)])
+    for _ in range(3):
+        stepper.launch(3)
+        stepper.read()
+    batch.release(1)
+    joined = stepper.prefill([1, 2], [Request(PROMPTS[2], MAX_NEW), Request(PROMPTS[1], MAX_NEW)])
+    batch.gamma.fill_(3)
+    while batch.busy:
+        stepper.launch(3)
+        stepper.read()
+    assert first.generated == plain[0]
+    assert leaving.generated == plain[1][: len(leaving.generated)] and 0 < len(leaving.generated) < MAX_NEW
+    assert [r.generated for r in joined] == [plain[2], plain[1]]
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle", "medusa"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_graph_replay_equals_eager_steps(models, name, temperature):  # noqa: F811
+    target, _, draft = models
+    drafter = make_drafter(name, target, draft)
+    config = SpecConfig(gamma=3, max_new_tokens=MAX_NEW, sampling=SamplingParams(temperature=temperature, seed=4))
+    graphed = specdec.SpecEngine(target, drafter, graphs=True).generate(PROMPTS, config)
+    eager = specdec.SpecEngine(target, drafter, graphs=False).generate(PROMPTS, config)
+    assert [r.token_ids for r in graphed.rows] == [r.token_ids for r in eager.rows]
+    assert graphed.stats.accepted == eager.stats.accepted
