@@ -15,13 +15,16 @@ from specdec import SamplingParams
 from specdec.adaptive import CostModel, GammaPolicy, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
+from specdec.errors import UserError
 from specdec.drafters.lookahead import LookaheadConfig, LookaheadDrafter, add_to_pool
 from specdec.models.views import int8_copy, layer_subset
 from specdec.tune import neighbours, structured_candidates
 from test_engine import MAX_NEW, PROMPTS
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
 
-DRAFTERS = [("lookahead", {}), ("layer_skip", {}), ("layer_skip", {"layers": [0, 2]}), ("quantized", {})]
+CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="the quantized drafter runs on the CPU int8 kernel only")
+DRAFTERS = [("lookahead", {}), ("layer_skip", {}), ("layer_skip", {"layers": [0, 2]}),
+            pytest.param("quantized", {}, marks=CPU_ONLY)]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_lookahead_takes_a_step_without_a_proposal():
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "confidence", "cost"])
-@pytest.mark.parametrize("drafter", ["ngram", "quantized", "lookahead"])
+@pytest.mark.parametrize("drafter", ["ngram", pytest.param("quantized", marks=CPU_ONLY), "lookahead"])
 def test_adaptive_gamma_is_lossless(deep, policy, drafter):
     target, plain = deep
     config = specdec.SpecConfig(gamma=2, gamma_policy=policy, gamma_max=6, max_new_tokens=MAX_NEW)
@@ -82,7 +85,7 @@ def test_confidence_policy_cuts_drafts_of_a_draft_model(deep, threshold):
     """Threshold 0: every row drafts gamma_max, as fixed gamma 4 does; threshold 1: no draft
     probability reaches it, so each row drafts only its first token, as fixed gamma 1 does; lossless."""
     target, plain = deep
-    engine = specdec.SpecEngine(target, "quantized")
+    engine = specdec.SpecEngine(target, "layer_skip")
     config = specdec.SpecConfig(gamma_policy="confidence", gamma_max=4, confidence_threshold=threshold,
                                 max_new_tokens=MAX_NEW)
     out = engine.generate(PROMPTS, config)
@@ -91,6 +94,14 @@ def test_confidence_policy_cuts_drafts_of_a_draft_model(deep, threshold):
     assert out.stats.drafted == fixed.stats.drafted and out.stats.steps == fixed.stats.steps
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="off the CPU there is no int8 kernel to draft with")
+def test_quantized_is_refused_off_the_cpu(deep):
+    target, _ = deep
+    with pytest.raises(UserError, match="needs specdec's CPU int8 kernel"):
+        specdec.SpecEngine(target, "quantized")
+
+
+@CPU_ONLY
 def test_quantized_draft_agrees_often_and_layer_subset_shares_weights(deep):
     target, _ = deep
     out = specdec.generate(PROMPTS, model=target, drafter="quantized", gamma=4, max_new_tokens=MAX_NEW)
@@ -116,7 +127,7 @@ def plain_sample(small):
     return tokens_of(sample(small, "none", seed=1))
 
 
-@pytest.mark.parametrize("drafter,config", [("lookahead", {"gamma": 3}), ("quantized", {"gamma": 3}),
+@pytest.mark.parametrize("drafter,config", [("lookahead", {"gamma": 3}), pytest.param("quantized", {"gamma": 3}, marks=CPU_ONLY),
                                             ("layer_skip", {"gamma": 2}),
                                             ("ngram", {"gamma": 2, "gamma_policy": "heuristic", "gamma_max": 4})])
 def test_sampling_matches_plain(small, plain_sample, drafter, config):
