@@ -101,7 +101,7 @@ def check_chain(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal
         num_drafted = torch.minimum(num_drafted, proposal.num_drafted)
     u = draw_uniforms(batch, shape.lanes, width + 1, any_sampled)
     q = proposal.q if proposal is not None else None
-    result = verify_chain(block[:, 1:], q, out.logits, batch.sampling, u, num_drafted, any_sampled)
+    result = fused.run_compiled(verify_chain, block[:, 1:], q, out.logits, batch.sampling, u, num_drafted, any_sampled)
     return Checked(result, result.num_accepted, num_drafted, num_drafted, out.hidden, out.logits,
                    shape.lanes + width + 1)
 
@@ -113,7 +113,7 @@ def check_tree(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal:
     tree = proposal.tree
     out = target(block, cache.lengths[:, None] + tree.depths(), cache, mask=tree.ancestor_mask())
     u = draw_uniforms(batch, shape.lanes, tree_uniforms_needed(tree), any_sampled)
-    result = verify_tree(block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
+    result = fused.run_compiled(verify_tree, block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
     hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))  # [B, D+1, Dm]
     return Checked(result, torch.minimum(result.num_accepted, budget), budget.clamp(max=shape.depth),
                    tree.valid().sum(-1), hidden, out.logits, shape.lanes + tree_uniforms_needed(tree))
@@ -133,24 +133,33 @@ def verify(target, cache: KVCache, batch: RowBatch, proposal: Proposal | None, s
     tree = proposal.tree if proposal is not None else None
     check = check_tree if tree is not None else check_chain
     c = check(target, cache, batch, block, proposal, budget, shape, any_sampled)
-    accepted = torch.where(took_part, c.accepted, 0)
-    num_drafted = torch.where(took_part, c.num_drafted, 0)
-    nodes = torch.where(took_part, c.nodes, 0)
-    kept, finish = append(batch, c.result.tokens, accepted + 1)
-    if tree is None:
-        cache.lengths.copy_(torch.where(kept > 0, start + accepted + 1, start))
-    else:
-        cache.compact(start, c.result.path, torch.where(kept > 0, accepted + 1, 0))
-    batch.draws += torch.where(took_part, c.lanes, 0)
-    emitted = torch.where(torch.arange(c.result.tokens.shape[1], device=block.device) < kept[:, None], c.result.tokens, 0)
-    packed = torch.cat([emitted, torch.stack([kept, accepted, num_drafted, nodes, finish], dim=1)], dim=1)
+    if tree is not None:  # lay the kept path out as a chain in the cache (lengths are set by settle)
+        cache.compact(start, c.result.path, torch.where(took_part, c.accepted + 1, 0))
+    packed = fused.run_compiled(settle, c.result.tokens, c.accepted, c.num_drafted, c.nodes, took_part, start, c.lanes, batch, cache)
+    counts = packed[:, -5:]  # [B, 5]
+    accepted, kept = counts[:, ACCEPTED], counts[:, KEPT]
     verified = Verified(proposal or Proposal(drafts), accepted, kept, c.hidden, c.logits)
     record = None
     if observe:
         capped = dataclasses.replace(c.result, num_accepted=accepted)
-        record = StepRecord(drafts, verified.proposal.q, num_drafted, c.logits, capped, generated,
+        record = StepRecord(drafts, verified.proposal.q, counts[:, DRAFTED], c.logits, capped, generated,
                             took_part.tolist(), tree)
     return StepOutput(verified, packed, record)
+
+
+def settle(tokens: Tensor, accepted: Tensor, num_drafted: Tensor, nodes: Tensor, took_part: Tensor, start: Tensor,
+           lanes: int, batch: RowBatch, cache: KVCache) -> Tensor:
+    """After verification: each row that took part keeps its accepted drafts and one more token (tokens [B, D+1]),
+    appended with EOS and length stops; the target cache keeps them (start [B] + kept entries); the rows' draw
+    counters advance by `lanes`. Returns the packed outcome [B, D+1+5] the host reads. On CUDA this runs
+    compiled (fused.run_compiled): as separate kernels its few dozen tiny operations cost more than a decode forward's tail."""
+    accepted = torch.where(took_part, accepted, 0)
+    kept, finish = append(batch, tokens, accepted + 1)
+    cache.lengths.copy_(torch.where(kept > 0, start + accepted + 1, start))
+    batch.draws += torch.where(took_part, lanes, 0)
+    emitted = torch.where(torch.arange(tokens.shape[1], device=tokens.device) < kept[:, None], tokens, 0)
+    counts = [kept, accepted, torch.where(took_part, num_drafted, 0), torch.where(took_part, nodes, 0), finish]
+    return torch.cat([emitted, torch.stack(counts, dim=1)], dim=1)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
+from specdec.models import fused
 from specdec.models.eagle import EagleHead, load_eagle_head
 from specdec.verify import TreeSpec
 
@@ -106,62 +107,100 @@ class EagleDrafter:
         return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth, self.tree.branch))
 
     def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
-        """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order."""
-        cfg, dev, cache = self.tree, batch.device, batch.draft.cache
-        B = root_feature.shape[0]
-        rows = torch.arange(B, device=dev)
+        """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Between the head's
+        forwards the bookkeeping runs compiled on CUDA (fused.run_compiled): dozens of tiny operations per level."""
+        cfg, cache = self.tree, batch.draft.cache
         base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
+        lm_head, d2t = self.head.lm_head.weight, self.head.d2t
+        cands = fused.run_compiled(root_children, root_feature, lm_head, d2t, cfg.branch)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1
         root_pos = batch.length - 1
-        logq = self.head.logits(root_feature).log_softmax(-1)  # [B, Vd]
-        score, pick = logq.topk(cfg.branch, dim=-1)  # [B, K]
-        tokens, scores = [self.head.d2t[pick]], [score]
-        parents = [torch.full_like(pick, -1)]
-        depths = [torch.ones_like(pick)]
-        features = [root_feature[:, None].expand(-1, cfg.branch, -1)]  # parent's feature for each candidate
-        entry_of = [torch.full_like(pick, -1)]  # head-cache entry of each expanded candidate
-        entry_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, E, E] ancestor entries
-        num_entries = 0
         for level in range(2, depth + 1):
-            all_scores, all_depths = torch.cat(scores, 1), torch.cat(depths, 1)  # [B, C]
-            ranked = torch.where(all_depths == level - 1, all_scores, float("-inf"))
-            F = min(cfg.frontier, ranked.shape[1])
-            chosen = ranked.topk(F, dim=-1).indices  # [B, F] candidates to expand
-            cand_tokens, cand_feats = torch.cat(tokens, 1), torch.cat(features, 1)
-            cand_parents, cand_entry = torch.cat(parents, 1), torch.cat(entry_of, 1)
-            parent_entry = torch.where(cand_parents[rows[:, None], chosen] >= 0,
-                                       cand_entry.gather(1, cand_parents.gather(1, chosen).clamp(min=0)), -1)  # [B, F]
-            # ancestors of each new entry: its parent's ancestors and itself
-            E = num_entries + F
-            grown = torch.zeros(B, E, E, dtype=torch.bool, device=dev)
-            grown[:, :num_entries, :num_entries] = entry_anc
-            parent_rows = entry_anc[rows[:, None], parent_entry.clamp(min=0)] if num_entries else \
-                torch.zeros(B, F, 0, dtype=torch.bool, device=dev)  # [B, F, E_old]
-            parent_rows = parent_rows & (parent_entry >= 0)[..., None]
-            grown[:, num_entries:, :num_entries] = parent_rows
-            grown[:, num_entries:, num_entries:] = torch.eye(F, dtype=torch.bool, device=dev)
-            new_feats = self.head.features(
-                cand_feats[rows[:, None], chosen], cand_tokens[rows[:, None], chosen],
-                root_pos[:, None] + (level - 2), cache, mask=grown[:, num_entries:],
-            )  # [B, F, D]
-            entry_anc, num_entries = grown, E
-            new_entry = torch.full_like(cand_entry, -1)
-            new_entry[rows[:, None], chosen] = torch.arange(E - F, E, device=dev).expand(B, F)
-            entry_of = [torch.maximum(cand_entry, new_entry)]
-            tokens, scores, parents, depths, features = [cand_tokens], [all_scores], [cand_parents], [all_depths], [cand_feats]
-            logq = self.head.logits(new_feats).log_softmax(-1)  # [B, F, Vd]
-            child_score, child_pick = logq.topk(cfg.branch, dim=-1)  # [B, F, K]
-            child_score = child_score + all_scores.gather(1, chosen)[..., None]
-            tokens.append(self.head.d2t[child_pick].flatten(1))
-            scores.append(child_score.flatten(1))
-            parents.append(chosen[..., None].expand(-1, -1, cfg.branch).flatten(1))
-            depths.append(torch.full_like(child_pick.flatten(1), level))
-            features.append(new_feats[:, :, None].expand(-1, -1, cfg.branch, -1).flatten(1, 2))
-            entry_of.append(torch.full_like(child_pick.flatten(1), -1))
+            frontier = fused.run_compiled(choose_frontier, cands.scores, cands, level, min(cfg.frontier, cands.scores.shape[1]))
+            new_feats = self.head.features(frontier.features, frontier.tokens, root_pos[:, None] + (level - 2), cache,
+                                           mask=frontier.ancestors[:, -frontier.chosen.shape[1]:])  # [B, F, D]
+            cands = fused.run_compiled(add_children, new_feats, cands, frontier, lm_head, d2t, cfg.branch, level)
         cache.lengths.copy_(base)  # the tree's entries are scratch
-        return select_tree(torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths, 1),
-                           cfg.total_tokens)
+        return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)
+
+
+@dataclass
+class Candidates:
+    """Every node drafted so far, [B, C] each: token, cumulative draft log-probability, parent (candidate
+    index, -1 = the root), depth, the parent's feature [B, C, D] (the head's input for expanding it), and
+    the head-cache entry of candidates already expanded (-1 otherwise). `ancestors` [B, E, E]: which
+    expanded entries are ancestors of (or are) each other (the head's attention mask among them)."""
+
+    tokens: Tensor
+    scores: Tensor
+    parents: Tensor
+    depths: Tensor
+    features: Tensor
+    entry: Tensor
+    ancestors: Tensor
+
+
+@dataclass
+class Frontier:
+    chosen: Tensor  # [B, F] candidates to expand at this level
+    tokens: Tensor  # [B, F] their tokens
+    features: Tensor  # [B, F, D] their parents' features
+    ancestors: Tensor  # [B, E, E] the entries' ancestor sets, the F new entries last
+
+
+def draft_log_probs(features: Tensor, lm_head: Tensor) -> Tensor:
+    """The head's draft-vocabulary log-probabilities [..., Vd] from features [..., D]."""
+    return torch.nn.functional.linear(features, lm_head).float().log_softmax(-1)
+
+
+def root_children(root_feature: Tensor, lm_head: Tensor, d2t: Tensor, branch: int) -> Candidates:
+    """The first level: the root's `branch` most likely tokens."""
+    score, pick = draft_log_probs(root_feature, lm_head).topk(branch, dim=-1)  # [B, K]
+    B, D = root_feature.shape
+    return Candidates(d2t[pick], score, torch.full_like(pick, -1), torch.ones_like(pick),
+                      root_feature[:, None].expand(-1, branch, -1), torch.full_like(pick, -1),
+                      torch.zeros(B, 0, 0, dtype=torch.bool, device=root_feature.device))
+
+
+def choose_frontier(scores: Tensor, cands: Candidates, level: int, F: int) -> Frontier:
+    """The F most confident candidates of the last level, and their ancestor sets as head-cache entries
+    (each new entry: its parent's ancestors and itself)."""
+    B, E0 = scores.shape[0], cands.ancestors.shape[1]
+    rows = torch.arange(B, device=scores.device)[:, None]
+    ranked = torch.where(cands.depths == level - 1, scores, float("-inf"))
+    chosen = ranked.topk(F, dim=-1).indices  # [B, F]
+    parent = cands.parents.gather(1, chosen)  # [B, F]
+    parent_entry = torch.where(parent >= 0, cands.entry.gather(1, parent.clamp(min=0)), -1)  # [B, F]
+    ancestors = torch.zeros(B, E0 + F, E0 + F, dtype=torch.bool, device=scores.device)
+    if E0:  # (the second level's parents are first-level nodes: no entries yet)
+        ancestors[:, :E0, :E0] = cands.ancestors
+        ancestors[:, E0:, :E0] = cands.ancestors[rows, parent_entry.clamp(min=0)] & (parent_entry >= 0)[..., None]
+    ancestors[:, E0:, E0:] = torch.eye(F, dtype=torch.bool, device=scores.device)
+    return Frontier(chosen, cands.tokens[rows, chosen], cands.features[rows, chosen], ancestors)
+
+
+def add_children(new_feats: Tensor, cands: Candidates, frontier: Frontier, lm_head: Tensor, d2t: Tensor, branch: int,
+                 level: int) -> Candidates:
+    """Mark the frontier as expanded (head-cache entries E0..E-1) and add each one's `branch` most likely
+    children (new_feats [B, F, D]: the head's features of the frontier)."""
+    B, F = frontier.chosen.shape
+    E = frontier.ancestors.shape[1]
+    rows = torch.arange(B, device=new_feats.device)[:, None]
+    entry = cands.entry.clone()
+    entry[rows, frontier.chosen] = torch.arange(E - F, E, device=new_feats.device).expand(B, F)
+    child_score, child_pick = draft_log_probs(new_feats, lm_head).topk(branch, dim=-1)  # [B, F, K]
+    child_score = child_score + cands.scores.gather(1, frontier.chosen)[..., None]
+    children = child_pick.flatten(1)  # [B, F*K]
+    return Candidates(
+        tokens=torch.cat([cands.tokens, d2t[children]], 1),
+        scores=torch.cat([cands.scores, child_score.flatten(1)], 1),
+        parents=torch.cat([cands.parents, frontier.chosen[..., None].expand(-1, -1, branch).flatten(1)], 1),
+        depths=torch.cat([cands.depths, torch.full_like(children, level)], 1),
+        features=torch.cat([cands.features, new_feats[:, :, None].expand(-1, -1, branch, -1).flatten(1, 2)], 1),
+        entry=torch.cat([entry, torch.full_like(children, -1)], 1),
+        ancestors=frontier.ancestors,
+    )
 
 
 def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor, total: int) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,7 @@ SPECDEC_COMPILE=0, the same functions run eagerly; the maths is identical either
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from functools import cache
 
@@ -63,9 +64,23 @@ def fusing():
 def run(fn, *args):
     """fn(*args), through its compiled kernel inside fusing() on a CUDA device (eager if compiling it
     ever failed: the maths is the same)."""
-    if FUSING[0] and args[0].is_cuda and fn not in EAGER and os.environ.get("SPECDEC_COMPILE", "1") != "0":
-        try:
-            return compiled(fn)(*args)
-        except torch._dynamo.exc.TorchDynamoException:
-            EAGER.add(fn)
+    if FUSING[0] and args[0].is_cuda:
+        return run_compiled(fn, *args)
     return fn(*args)
+
+
+def run_compiled(fn, *args):
+    """fn(*args) through torch.compile when args[0] is on CUDA, eager elsewhere. The speculative step's
+    bookkeeping between forwards (stopping, tree growth, verification) is dozens of tiny operations: as
+    separate kernels they cost more than the forward's own tail. Eager and graphed CUDA steps both run
+    the compiled code, so they share its arithmetic (and their sampled tokens). A function that fails to
+    compile runs eagerly from then on, said once; SPECDEC_COMPILE=0 turns compiling off."""
+    if not args[0].is_cuda or fn in EAGER or os.environ.get("SPECDEC_COMPILE", "1") == "0":
+        return fn(*args)
+    try:
+        return compiled(fn)(*args)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        EAGER.add(fn)
+        print(f"specdec: {fn.__name__} could not be compiled ({type(e).__name__}); it runs as separate kernels",
+              file=sys.stderr)
+        return fn(*args)
