@@ -20,6 +20,7 @@
 Results go to OUT/kernels.json as each part finishes; a compact table is printed at the end.
 
     python benchmarks/kernels.py --out OUT [--quick] [--skip-8b] [--sweep-seconds 100]
+    python benchmarks/kernels.py --asm     # no GPU: the sm_90 code of every kernel (smem, registers, MMA kind)
 
 --quick skips the sweep and the tuned and no-PDL forwards (about a minute).
 """
@@ -290,7 +291,7 @@ def sweep(device: torch.device, seconds: float) -> list[dict]:
     """Tilings per shape at M = 1 (decode) then M = 16 (verify) for each; best = least M=1 time + M=16
     time / 8 (decode dominates)."""
     deadline, results = time.perf_counter() + seconds, []
-    for model, c in reversed(MODELS.items()):  # the 8B shapes first: they set the floor target
+    for model, c in MODELS.items():  # the default model first (its target comes first)
         for kind in gemm_shapes(c):
             case = GemmCase(c, kind, device, copies_for(c, kind))
             for config in candidate_configs(kind, c):
@@ -429,7 +430,8 @@ def kernel_profile(model, top: int = 12) -> dict:
             "top": [{"name": n, "count": len(v), "us": sum(v)} for n, v in ranked]}
 
 
-def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: float, variants: list[str]) -> dict:
+def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: float, variants: list[str],
+                   time_left=lambda: 1e9) -> dict:
     o = ops()
     model = random_model(c, device)
     floor_ms = weight_bytes_per_forward(model) / bandwidth * 1e3
@@ -437,6 +439,9 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
     out = {"floor_ms": floor_ms, "weight_bytes": weight_bytes_per_forward(model)}
     tuned = dict(o.TUNED_GEMM)
     for variant in variants:  # exact | exact-tuned | exact-nopdl | exact-noprefetch | library
+        if variant not in ("exact", "library") and time_left() < 45:
+            print(f"  {name} {variant}: skipped (time budget)", flush=True)
+            continue
         t0 = time.perf_counter()
         o.TUNED_GEMM.clear()
         if variant == "exact-tuned":
@@ -466,6 +471,76 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def asm_report() -> list[dict]:
+    """Compile every kernel of both model shapes (bf16, M = 1, heuristic tilings, PDL on) for sm_90 on
+    this machine, no GPU needed, and report what the code is: shared memory, registers, spills, MMA
+    instructions (wgmma / mma.sync), async copies, griddepcontrol. Uses Triton's bundled cuobjdump."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    o = ops()
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    compiled = []
+
+    class Launcher:  # stands in for kernel[grid]: compile with the JIT's own specialisation, run nothing
+        def __init__(self, fn, grid):
+            self.fn, self.grid = fn, grid
+
+        def __call__(self, *args, **kwargs):
+            bound, spec, options = create_function_from_signature(self.fn.signature, self.fn.params, backend)(*args, **kwargs)
+            options, signature, constexprs, attrs = self.fn._pack_args(backend, kwargs, bound, spec, options)
+            compiled.append((self.fn.__name__, self.grid, triton.compile(ASTSource(self.fn, signature, constexprs, attrs),
+                                                                         target=target, options=options.__dict__)))
+
+    getitem, launch = JITFunction.__getitem__, o.launch_options
+    JITFunction.__getitem__ = lambda self, grid: Launcher(self, grid)
+    o.launch_options = lambda device: (True, {"launch_pdl": True})
+    rows = []
+    try:
+        for model, c in MODELS.items():
+            z = lambda *shape, dtype=DTYPE: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+            D, I, H, Hkv, Dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+            pos, lengths, cache = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), z(1, Hkv, 1024, Dh)
+            calls = {"qkv": lambda: o.qkv_rope_write(z(1, D), z((H + 2 * Hkv) * Dh, D), None, z(D), 1e-5, pos, z(Dh // 2, dtype=torch.float32),
+                                                     1.0, cache, cache, lengths, 1, H, Hkv),
+                     "o_proj": lambda: o.linear(z(1, H * Dh), z(D, H * Dh), residual=z(1, D)),
+                     "gate_up": lambda: o.silu_linear(z(1, D), z(2 * I, D), None, z(D), 1e-5),
+                     "down": lambda: o.linear(z(1, I), z(D, I), residual=z(1, D)),
+                     "lm_head": lambda: o.linear(z(1, D), z(c.vocab_size, D), out_dtype=torch.float32),
+                     "attention": lambda: o.attention(z(1, H * Dh), cache, cache, lengths, 1, None, pos),
+                     "rms_norm": lambda: o.rms_norm(z(1, D), z(D), 1e-5)}
+            for name, call in calls.items():
+                compiled.clear()
+                call()
+                kernel_name, grid, k = compiled[-1]
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(k.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+                    usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+                regs = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+                ptx = k.asm["ptx"]
+                rows.append({"model": model, "kernel": name, "grid": grid, "shared_bytes": k.metadata.shared,
+                             "registers": int(regs.group(1)) if regs else None, "spill_bytes": int(regs.group(3)) if regs else None,
+                             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": len(re.findall(r"\bHMMA", sass)),
+                             "cp_async": len(re.findall(r"LDGSTS", sass)), "pdl": "griddepcontrol.wait" in ptx,
+                             "l2_prefetch": ptx.count("prefetch.global.L2")})
+    finally:
+        JITFunction.__getitem__, o.launch_options = getitem, launch
+    for r in rows:
+        print(f"{r['model']:8s}{r['kernel']:10s} grid {str(r['grid']):14s} smem {r['shared_bytes']:6d} regs {r['registers']} spill {r['spill_bytes']} "
+              f"wgmma {r['wgmma']} mma.sync {r['mma_sync']} cp.async {r['cp_async']} pdl {r['pdl']} prefetch {r['l2_prefetch']}")
+    return rows
 
 
 def save(out: Path, results: dict) -> None:
@@ -519,11 +594,18 @@ def print_table(results: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="skip the sweep, the attention tilings and the tuned / no-PDL forwards")
     ap.add_argument("--skip-8b", action="store_true")
     ap.add_argument("--sweep-seconds", type=float, default=100)
+    ap.add_argument("--budget", type=float, default=280, help="seconds: the sweep and the optional forwards shrink to fit")
+    ap.add_argument("--asm", action="store_true", help="no GPU: compile every kernel for sm_90 here and report its code")
     args = ap.parse_args()
+    if args.asm:
+        asm_report()
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -534,6 +616,7 @@ def main() -> int:
 
     results: dict = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__}
     start = time.perf_counter()
+    time_left = lambda: args.budget - (time.perf_counter() - start)  # noqa: E731
 
     def step(key: str, fn) -> None:
         t = time.perf_counter()
@@ -551,13 +634,14 @@ def main() -> int:
     step("invariance", lambda: check_invariance(device))
     step("gemm", lambda: gemm_times(device, bandwidth))
     if not args.quick:
-        step("sweep", lambda: sweep(device, args.sweep_seconds))
+        step("sweep", lambda: sweep(device, max(0.0, min(args.sweep_seconds, time_left() - 130))))
         results["tuned_table"] = apply_tuning(best_tilings(results.get("sweep", [])))
     step("attention", lambda: attention_times(device, tilings=not args.quick))
     variants = ["exact", "library"] if args.quick else ["exact", "exact-tuned", "exact-nopdl", "exact-noprefetch", "library"]
-    step("forward_default", lambda: whole_forwards("default", DEFAULT, device, bandwidth, variants))
+    step("forward_default", lambda: whole_forwards("default", DEFAULT, device, bandwidth, variants, time_left))
     if not args.skip_8b:
-        step("forward_8b", lambda: whole_forwards("8b", LLAMA3_8B, device, bandwidth, [v for v in variants if v in ("exact", "exact-tuned", "library")]))
+        step("forward_8b", lambda: whole_forwards("8b", LLAMA3_8B, device, bandwidth,
+                                                  [v for v in variants if v in ("exact", "exact-tuned", "library")], time_left))
     print_table(results)
     print(f"\n{results['gpu']}, torch {results['torch']}, triton {results['triton']}, copy {results['copy_bandwidth_gbs']:.0f} GB/s; "
           f"total {time.perf_counter() - start:.0f} s; details in {out / 'kernels.json'}")

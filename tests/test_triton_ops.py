@@ -320,10 +320,10 @@ def tokens(n: int, seed: int, rows: int = 1) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (rows, n), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-def prefilled(model, rows: int = 1, prompt: torch.Tensor | None = None):
-    prompt = tokens(PROMPT, seed=1, rows=rows) if prompt is None else prompt
-    cache = model.new_cache(rows, 128)
-    model(prompt, torch.arange(PROMPT, device=DEVICE).expand(rows, -1), cache)
+def prefilled(model, rows: int = 1, prompt: torch.Tensor | None = None, length: int = PROMPT):
+    prompt = tokens(length, seed=1, rows=rows) if prompt is None else prompt
+    cache = model.new_cache(rows, prompt.shape[1] + 108)
+    model(prompt, torch.arange(prompt.shape[1], device=DEVICE).expand(rows, -1), cache)
     return cache
 
 
@@ -334,15 +334,16 @@ def one_at_a_time(model, block: torch.Tensor, cache, start: int) -> list:
     return outs
 
 
-def block_mismatches(model) -> list[str]:
-    """Where a verify block of T = 1..17 tokens disagrees with feeding its tokens one at a time."""
+def block_mismatches(model, length: int = PROMPT) -> list[str]:
+    """Where a verify block of T = 1..17 tokens after a `length`-token prompt disagrees with feeding its
+    tokens one at a time."""
     new = tokens(17, seed=2)
-    cache = prefilled(model)
-    singles = one_at_a_time(model, new, cache, PROMPT)
+    cache = prefilled(model, length=length)
+    singles = one_at_a_time(model, new, cache, length)
     bad = []
     for T in (1, 5, 17) if INTERPRET else range(1, 18):
-        cache.trim(torch.tensor([PROMPT], device=DEVICE))
-        out = model(new[:, :T], torch.arange(PROMPT, PROMPT + T, device=DEVICE)[None], cache)
+        cache.trim(torch.tensor([length], device=DEVICE))
+        out = model(new[:, :T], torch.arange(length, length + T, device=DEVICE)[None], cache)
         for t in range(T):
             if not (torch.equal(out.logits[0, t], singles[t].logits[0, 0]) and torch.equal(out.hidden[0, t], singles[t].hidden[0, 0])):
                 bad.append(f"T={T} token {t}")
@@ -430,7 +431,7 @@ def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
 
     def logits_by_rows(lm_head, h):
         B, T, D = h.shape
-        split = 2 if B * T > 1 else 1
+        split = 2 if B * T > 3 else 1  # a token alone or a 3-token row: 1; a longer block or the batch: 2
         config = triton_ops.GemmConfig(block_n=64, block_k=16, split_k=split, num_stages=2)
         return triton_ops.linear(h.reshape(B * T, D).contiguous(), lm_head.weight, out_dtype=torch.float32,
                                  config=config).view(B, T, -1)
@@ -468,9 +469,9 @@ def test_library_path_is_not_invariant_in_bf16():
     from specdec.models.kernels import use_kernels
 
     model = random_llama(torch.bfloat16, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-                         head_dim=128)
+                         head_dim=128, max_position_embeddings=1024)
     assert use_kernels(model, "library").name == "cublas"
-    assert block_mismatches(model) + batch_mismatches(model, 8) != []
+    assert block_mismatches(model, length=600) + batch_mismatches(model, 8) != []
 
 
 @needs_triton
@@ -478,8 +479,8 @@ def test_library_path_is_not_invariant_in_bf16():
 def test_exact_path_matches_the_library_path(model_type, tmp_path):
     """The exact kernels compute the same model as the library path (float32, up to rounding), Qwen3's
     per-head q/k norm and RoPE scaling included, and stay block-invariant there."""
-    folder = save_hf(build_hf(model_type, seed=0, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}),
-                     tmp_path / model_type)
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}  # attention factor != 1
+    folder = save_hf(build_hf(model_type, seed=0, head_dim=32, rope_scaling=yarn), tmp_path / model_type)
     exact = load_model(str(folder), dtype="float32", device=DEVICE, kernels="exact")
     library = load_model(str(folder), dtype="float32", device=DEVICE, kernels="library")
     assert kernel_path(exact).name == "triton-exact"

@@ -231,7 +231,7 @@ def run_layers(
     """x [B, T, D] through decoder layers. With a cache: written at each row's next slots, attending per
     `mask` (see build_attention_mask). cache=None: causal within the block (training, no cache)."""
     if len(layers) and cache is not None and not torch.is_grad_enabled() and kernels.runs_triton(layers[0], x.device, x.dtype):
-        if not cache.static:
+        if not getattr(cache, "static", False):
             cache.reserve(x.shape[1])  # fails loudly on overflow (a static cache's caller keeps within max_len)
         x = kernels.run_layers_exact(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
         cache.lengths += x.shape[1]
