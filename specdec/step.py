@@ -111,12 +111,19 @@ def check_tree(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal:
     """block [B, N+1] = [pending, nodes]: one forward with the ancestor mask at depth positions, tree verification;
     the accepted path is cut at the row's budget (a prefix of a verified path is verified too)."""
     tree = proposal.tree
-    out = target(block, cache.lengths[:, None] + tree.depths(), cache, mask=tree.ancestor_mask())
+    positions, mask = fused.run_compiled(tree_layout, cache.lengths, tree)
+    out = target(block, positions, cache, mask=mask)
     u = draw_uniforms(batch, shape.lanes, tree_uniforms_needed(tree), any_sampled)
     result = fused.run_compiled(verify_tree, block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
     hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))  # [B, D+1, Dm]
     return Checked(result, torch.minimum(result.num_accepted, budget), budget.clamp(max=shape.depth),
                    tree.valid().sum(-1), hidden, out.logits, shape.lanes + tree_uniforms_needed(tree))
+
+
+def tree_layout(start: Tensor, tree: TreeSpec) -> tuple[Tensor, Tensor]:
+    """A tree block's RoPE positions [B, N+1] (the pending token's, plus each entry's depth) and attention
+    mask [B, N+1, N+1] (each entry sees its ancestors)."""
+    return start[:, None] + tree.depths(), tree.ancestor_mask()
 
 
 def verify(target, cache: KVCache, batch: RowBatch, proposal: Proposal | None, shape: DraftShape, any_sampled: bool,
