@@ -1,7 +1,15 @@
-"""CPU: EAGLE tokens/s against the tree node budget (3 gsm8k-eval prompts, 128 tokens), beside plain.
+"""EAGLE tokens/s against the tree's shape (nodes verified per step, depth, frontier), beside plain
+decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
-    python benchmarks/eagle_tree_sweep.py   (2-core CPU: 10 nodes was best, 1.69x plain; 15 gave 1.52x)
+    python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
+        [--frontiers 4] [--limit 6] [--max-new-tokens 256] [--out DIR]
+
+On a 2-core CPU (float32, 3 prompts, 128 tokens) 10 nodes was best (1.69x plain; 15 gave 1.52x): a verify
+forward there costs more per node. On a GPU the exact kernels verify 16 tokens for about the price of one.
 """
+
+import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -12,19 +20,51 @@ from specdec.api import encode_prompt  # noqa: E402
 from specdec.bench.tasks import load_tasks  # noqa: E402
 from specdec.drafters import DrafterOptions  # noqa: E402
 
-m = specdec.load_model("default")
-prompts = [encode_prompt(m.tokenizer, t.prompt) for t in load_tasks("gsm8k-eval", 3)]
-cfg = specdec.SpecConfig(gamma=5, max_new_tokens=128)
-engines = {"plain": specdec.SpecEngine(m, "none")}
-for n in (4, 6, 8, 10, 15):
-    engines[f"eagle-{n}"] = specdec.SpecEngine(m, "eagle", DrafterOptions(extra={"total_tokens": n}))
-for e in engines.values():
-    e.generate(prompts[:1], specdec.SpecConfig(gamma=5, max_new_tokens=16))
-rates = {k: [] for k in engines}; taus = {k: [] for k in engines}
-for p in prompts:
-    for k, e in engines.items():
-        out = e.generate([p], cfg)
-        rates[k].append(out.stats.tokens_per_s); taus[k].append(out.stats.mean_accepted_length)
-for k in engines:
-    print(k, "tok/s", round(statistics.median(rates[k]), 1), "tau", round(statistics.median(taus[k]), 2),
-          "x plain", round(statistics.median(a / b for a, b in zip(rates[k], rates["plain"])), 2), flush=True)
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--nodes", type=ints, default=[4, 6, 8, 10, 15])
+    ap.add_argument("--depths", type=ints, default=[5])
+    ap.add_argument("--frontiers", type=ints, default=[4])
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=None, help="write sweep.json here")
+    args = ap.parse_args()
+    model = specdec.load_model("default", dtype=args.dtype, device=args.device)
+    prompts = [encode_prompt(model.tokenizer, t.prompt) for t in load_tasks("gsm8k-eval", args.limit + 1)]
+    engines = {"plain": specdec.SpecEngine(model, "none")}
+    for depth in args.depths:
+        for frontier in args.frontiers:
+            for nodes in args.nodes:
+                extra = {"total_tokens": nodes, "depth": depth, "frontier": frontier}
+                engines[f"eagle n{nodes} d{depth} f{frontier}"] = specdec.SpecEngine(model, "eagle", DrafterOptions(extra=extra))
+    config = specdec.SpecConfig(gamma=max(args.depths), max_new_tokens=args.max_new_tokens)
+    for engine in engines.values():  # warm up (captures, compiles) on a prompt not measured
+        engine.generate(prompts[-1:], config)
+    rates = {k: [] for k in engines}
+    taus = {k: [] for k in engines}
+    for prompt in prompts[:-1]:
+        for name, engine in engines.items():
+            out = engine.generate([prompt], config)
+            rates[name].append(out.stats.tokens_per_s)
+            taus[name].append(out.stats.mean_accepted_length)
+    rows = {}
+    for name in engines:
+        rows[name] = {"tokens_per_s": statistics.median(rates[name]), "tau": statistics.median(taus[name]),
+                      "x_plain": statistics.median(a / b for a, b in zip(rates[name], rates["plain"]))}
+        print(f"{name:24} {rows[name]['tokens_per_s']:8.1f} tok/s  tau {rows[name]['tau']:.2f}  "
+              f"x plain {rows[name]['x_plain']:.2f}", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "sweep.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
