@@ -148,7 +148,8 @@ def kernel_path(model: nn.Module) -> KernelPath:
         return KernelPath("transformers", False, f"transformers' own forward on {p.device.type}")
     if runs_triton(layers[0], p.device, p.dtype):
         return KernelPath("triton-exact", True, f"specdec Triton kernels, {p.dtype}: GEMMs in 16-row tiles for every M, "
-                                                 "no split-K; attention over each token's visible keys in fixed blocks")
+                                                 "split-K at fixed ranges per weight shape; attention over each token's "
+                                                 "visible keys in fixed blocks and chunks")
     if p.device.type == "cuda":
         return KernelPath("cublas", False, f"cuBLAS + SDPA + torch.compile'd elementwise ops, {p.dtype}: algorithms picked per shape")
     from specdec.models import cpu_gemm
@@ -180,32 +181,37 @@ def norm_args(norm: nn.Module) -> tuple[Tensor | None, float]:
 def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
                      inv_freq: Tensor, attention_factor: float, window: int | None) -> Tensor:
     """x [B, T, D] through decoder layers with the Triton kernels: q/k/v (+ norm, RoPE, q/k norm, KV
-    write), attention, o_proj (+ residual), gate_up (+ norm, SiLU·mul), down (+ residual): five launches
-    per layer and no other work (RoPE angles come from the positions inside the q/k/v kernel; a causal
-    block needs no visibility tables). Writes the new tokens at slots cache.lengths .. + T - 1; the
-    caller advances cache.lengths."""
+    write), attention, o_proj (+ residual, + the post-attention norm's input), gate_up (+ norm,
+    SiLU·mul), down (+ residual, + the next layer's norm input): five launches per layer, one more per
+    forward (the first layer's norm input), and no other work (RoPE angles come from the positions inside
+    the q/k/v kernel; a causal block needs no visibility tables). An RMSNorm is fused as NormedRows: the
+    GEMM that produces the residual stream also writes h ⊙ w and the rows' partial sums of squares, and the
+    GEMM that takes them scales its accumulator by rstd. Writes the new tokens at slots cache.lengths ..
+    + T - 1; the caller advances cache.lengths."""
     from specdec.models import triton_ops as ops
 
     B, T, D = x.shape
     positions = positions.contiguous()
     visible = None if mask is None else ops.visible_order(mask, B, T, x.device)  # what each tree node sees, shared by the layers
     h = x.reshape(B * T, D).contiguous()  # [M, D]
+    norm_weight, eps = norm_args(layers[0].input_layernorm)
+    h_in = h if norm_weight is None else ops.prenorm(h, norm_weight, eps)  # the first layer's q/k/v input
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, Dh]
-        norm_weight, eps = norm_args(layer.input_layernorm)
         q_norm = k_norm = None
         qk_eps = 0.0
         if attn.q_norm is not None:
             q_norm, k_norm, qk_eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
-        q = ops.qkv_rope_write(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight, eps, positions, inv_freq,
-                               attention_factor, k_cache, v_cache, cache.lengths, T, attn.num_heads, attn.num_kv_heads,
+        q = ops.qkv_rope_write(h_in, attn.qkv_proj.weight, attn.qkv_proj.bias, positions, inv_freq, attention_factor,
+                               k_cache, v_cache, cache.lengths, T, attn.num_heads, attn.num_kv_heads,
                                q_norm, k_norm, qk_eps)  # [M, H*Dh]
         o = ops.attention(q, k_cache, v_cache, cache.lengths, T, visible, positions, window)  # [M, H*Dh]
-        h = ops.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=h)  # [M, D]
-        norm_weight, eps = norm_args(layer.post_attention_layernorm)
-        g = ops.silu_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight, eps)  # [M, I]
-        h = ops.linear(g, mlp.down_proj.weight, mlp.down_proj.bias, residual=h)  # [M, D]
+        h, g_in = ops.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=h,
+                             next_norm=norm_args(layer.post_attention_layernorm))  # [M, D]
+        g = ops.silu_linear(g_in, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)  # [M, I]
+        following = norm_args(layers[i + 1].input_layernorm) if i + 1 < len(layers) else (None, 0.0)
+        h, h_in = ops.linear(g, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, next_norm=following)  # [M, D]
     return h.view(B, T, D)
 
 

@@ -10,8 +10,8 @@ fixed by the weight's shape (or the token's own visible sequence) alone:
   BLOCK_T = 16 tokens, for every M: the weight tile is the MMA's A operand (64 rows: one Hopper wgmma,
   read straight from shared memory) and the tokens are its N dimension, so a token's result does not
   depend on the other tokens of the tile (tensor cores compute each output element on its own). K is
-  walked in BLOCK_K steps in order. Where the weight has too few row tiles to fill the GPU, K is split
-  into SPLIT fixed ranges (a function of the weight's shape, never of M); each range's fp32 partial is
+  walked in BLOCK_K steps in order. Where the weight has too few row tiles to fill the GPU (and a
+  program would stream more than SPLIT_MIN_BYTES of it), K is split into SPLIT fixed ranges (a function of the weight's shape, never of M); each range's fp32 partial is
   written out and the last program to arrive adds them in split order (a deterministic split-K). Tile
   sizes and SPLIT depend on (kind, N, K, dtype), never on M; M is never specialised.
 - Attention: split-KV over fixed chunks. A token's visible sequence (the committed prefix, then its
@@ -22,15 +22,20 @@ fixed by the weight's shape (or the token's own visible sequence) alone:
   boundaries depend on the token's visible sequence alone, so the result does not depend on T, B, or on
   how many programs share the chunks (chosen per launch to fill the GPU). A tree node whose ancestors
   sit at scattered slots reduces exactly like the chain it stands for.
-- RMSNorm: one row per program, the whole row in one tile.
+- RMSNorm (the final norm, and `prenorm`): one row per program, the whole row in one tile.
 
-Fusion (five launches per decoder layer): the RMSNorm before q/k/v and before gate/up runs in the GEMM's
-prologue and epilogue (x ⊙ w enters the dot; each row's sum of squares is accumulated over the same K
-steps and its rstd scales the accumulator: rms_norm(x) W^T = rstd · (x ⊙ w) W^T), the residual add in
-the epilogue of o_proj and down_proj, RoPE (cos/sin computed in the kernel from the positions), Qwen3's
-per-head q/k RMSNorm and the KV-cache write in the epilogue of the q/k/v GEMM, and SiLU(gate) · up in
-the epilogue of gate_up. The paired kernels hold two accumulators per program: rows j and j + Dh/2 of
-each head (the rotate-half partners) for q/k/v, rows j and j + I of the fused gate/up weight for the MLP.
+Fusion (five launches per decoder layer): an RMSNorm before q/k/v or gate/up is applied by the GEMM
+that takes it, rms_norm(h) W^T = rstd · (h ⊙ w) W^T, from NormedRows made by the GEMM that produced h
+(o_proj and down_proj write h, h ⊙ w for the next norm's weight, and each row's partial sums of h² over
+every 64 columns; the first layer's come from one small kernel per forward): the consuming GEMM streams
+h ⊙ w through its main loop untouched (no per-K-step work besides the dots) and scales the accumulator
+by each row's rstd in the epilogue. The residual add runs in the epilogue of o_proj and down_proj, RoPE
+(cos/sin computed in the kernel from the positions), Qwen3's per-head q/k RMSNorm and the KV-cache
+write in the epilogue of the q/k/v GEMM, and SiLU(gate) · up in the epilogue of gate_up. The paired
+kernels hold two accumulators per program: rows j and j + Dh/2 of each head (the rotate-half partners)
+for q/k/v, rows j and j + I of the fused gate/up weight for the MLP. Every epilogue input (positions,
+cache slots, biases, residual, norm weights, partial sums) is loaded before the main loop and used
+after it, so its latency hides under the weight stream.
 
 Launches: on Hopper every kernel is launched with programmatic dependent launch (PDL): it signals at its
 start that the next kernel may launch, and waits (griddepcontrol.wait) for the previous kernel's
@@ -63,6 +68,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 BLOCK_T = 16  # tokens per GEMM tile (the MMA's N), for every M
 BLOCK_Q = 16  # query heads (of one token, sharing one KV head) per attention tile
 C_BLOCK = 16  # attention partials combined per step
+NORM_PART = 64  # columns per partial sum of squares of a fused RMSNorm's input rows (NormedRows)
+SPLIT_MIN_BYTES = 160 << 10  # a program streaming at most this much weight unsplit is not split (see pick_gemm_config)
 SMS = 132  # streaming multiprocessors of an H100 SXM / H200: the grid sizes below aim at it (a constant, so tilings do not depend on the card)
 WORKSPACE_BYTES = 64 << 20  # at most this much fp32 attention partials per launch (longer blocks launch in slices of tokens)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -99,9 +106,11 @@ TUNED_GEMM: dict[tuple[str, int, int, torch.dtype], GemmConfig] = {}
 
 
 def pick_gemm_config(kind: str, rows: int, K: int, dtype: torch.dtype, min_block_n: int = 64) -> GemmConfig:
-    """A tiling for `rows` weight rows per accumulator of depth K: 64-row tiles (one wgmma), K split into
-    fixed ranges until the row tiles x splits about fill the GPU (each range 3 K steps or more), and as
-    many pipeline stages as shared memory holds for the programs resident at once."""
+    """A tiling for `rows` weight rows per accumulator of depth K: 64-row tiles (one wgmma); K split into
+    fixed ranges until the row tiles x splits about fill the GPU (each range 3 K steps or more), unless a
+    program would stream at most SPLIT_MIN_BYTES of weights unsplit (then the combine costs more than it
+    saves); as many pipeline stages as shared memory holds for the programs resident at once: one per SM
+    for a grid of one wave, else three per SM where three stages fit in a third of it, else two."""
     tuned = TUNED_GEMM.get((kind, rows, K, dtype))
     if tuned is not None and tuned.block_n >= min_block_n:
         return tuned
@@ -111,10 +120,17 @@ def pick_gemm_config(kind: str, rows: int, K: int, dtype: torch.dtype, min_block
     block_k = max(16, min(block_k, triton.next_power_of_2(K)))
     tiles = 1 if kind == "plain" else 2  # weight tiles per K step
     n_tiles, k_blocks = triton.cdiv(rows, block_n), triton.cdiv(K, block_k)
-    split = max(1, min(SMS // n_tiles, k_blocks // 3))
+    split = 1
+    if tiles * block_n * K * elem > SPLIT_MIN_BYTES:
+        split = max(1, min(SMS // n_tiles, k_blocks // 3))
     steps = triton.cdiv(k_blocks, split)
     stage_bytes = (tiles * block_n + BLOCK_T) * block_k * elem
-    budget = 200 * 1024 if n_tiles * split <= SMS else 110 * 1024  # one program per SM, else two
+    if n_tiles * split <= SMS:
+        budget = 200 * 1024  # one program per SM
+    elif 3 * stage_bytes <= 72 * 1024:
+        budget = 72 * 1024  # three per SM
+    else:
+        budget = 110 * 1024  # two per SM
     stages = max(2, min(6, budget // stage_bytes, steps + 1))
     return GemmConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
 
@@ -186,14 +202,14 @@ def load_w_tile(w_ptr, rows, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def gemm_mainloop(x_ptr, w_ptr, norm_ptr, rows_a, rows_b, offs_t, M, K, k_lo, k_hi,
-                  PAIR: tl.constexpr, HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr,
+def gemm_mainloop(x_ptr, w_ptr, rows_a, rows_b, offs_t, M, K, k_lo, k_hi,
+                  PAIR: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc_a [BLOCK_N, BLOCK_T] = W[rows_a, k_lo:k_hi] @ a^T (and acc_b for rows_b), a = x or x ⊙ norm weight
-    (in x's dtype), and each token's sum of squares of x over k_lo:k_hi (for a fused RMSNorm)."""
+    """acc_a [BLOCK_N, BLOCK_T] = W[rows_a, k_lo:k_hi] @ x^T (and acc_b for rows_b). The loop holds the
+    dots and nothing else: both operands come straight from the pipelined async copies into shared
+    memory (a fused RMSNorm's x ⊙ w was computed by whoever produced x: see NormedRows)."""
     acc_a = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_T], dtype=tl.float32)
     t_ok = offs_t < M
     x_rows = x_ptr + offs_t[:, None].to(tl.int64) * K
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -202,83 +218,94 @@ def gemm_mainloop(x_ptr, w_ptr, norm_ptr, rows_a, rows_b, offs_t, M, K, k_lo, k_
             a = tl.load(x_rows + offs_k[None, :], mask=t_ok[:, None], other=0.0)
         else:
             a = tl.load(x_rows + offs_k[None, :], mask=t_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        if HAS_NORM:
-            a32 = a.to(tl.float32)
-            nw = tl.load(norm_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            ss += tl.sum(a32 * a32, axis=1)
-            a = (a32 * nw[None, :]).to(x_ptr.dtype.element_ty)
         at = tl.trans(a)  # [BLOCK_K, BLOCK_T]
         acc_a = tl.dot(load_w_tile(w_ptr, rows_a, offs_k, K, EVEN_K), at, acc_a, input_precision="ieee")
         if PAIR:
             acc_b = tl.dot(load_w_tile(w_ptr, rows_b, offs_k, K, EVEN_K), at, acc_b, input_precision="ieee")
-    return acc_a, acc_b, ss
+    return acc_a, acc_b
 
 
 @triton.jit
-def split_combine(acc_a, acc_b, ss, ws_ptr, cnt_ptr, tile, n_tiles, pid_s,
-                  PAIR: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+def split_combine(acc_a, acc_b, ws_ptr, cnt_ptr, tile, n_tiles, pid_s,
+                  PAIR: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """Write this K range's partials; the last of the SPLIT programs of the tile to arrive returns
     (True, sums over the ranges in range order), the others (False, ...). Workspace: [SPLIT, n_tiles, 2,
-    BLOCK_N, BLOCK_T] fp32 accumulators, then [SPLIT, n_tiles, BLOCK_T] sums of squares."""
+    BLOCK_N, BLOCK_T] fp32."""
     SIZE: tl.constexpr = BLOCK_N * BLOCK_T
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
-    offs_t = tl.arange(0, BLOCK_T)
     mine = ws_ptr + (pid_s * n_tiles + tile).to(tl.int64) * (2 * SIZE)
-    ss_base = ws_ptr + (SPLIT * n_tiles).to(tl.int64) * (2 * SIZE)
     tl.store(mine + offs, acc_a)
     if PAIR:
         tl.store(mine + SIZE + offs, acc_b)
-    if HAS_NORM:
-        tl.store(ss_base + (pid_s * n_tiles + tile) * BLOCK_T + offs_t, ss)
     tl.debug_barrier()  # every thread's partial is written before the (one-thread, release) arrival
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = arrived == SPLIT - 1
     if last:
         acc_a = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
         for s in tl.static_range(SPLIT):  # range order, whoever arrived last
             part = ws_ptr + (s * n_tiles + tile).to(tl.int64) * (2 * SIZE)
             acc_a += tl.load(part + offs, cache_modifier=".cg")
             if PAIR:
                 acc_b += tl.load(part + SIZE + offs, cache_modifier=".cg")
-            if HAS_NORM:
-                ss += tl.load(ss_base + (s * n_tiles + tile) * BLOCK_T + offs_t, cache_modifier=".cg")
         tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
-    return last, acc_a, acc_b, ss
+    return last, acc_a, acc_b
 
 
 @triton.jit
-def norm_rows(acc, ss, K, eps, HAS_NORM: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] fp32 scaled by each token's RMSNorm rstd when the norm is fused."""
+def load_row_squares(sq_ptr, offs_t, M, K, NORM_PART: tl.constexpr, NORM_PARTS: tl.constexpr):
+    """[BLOCK_T, NORM_PARTS] partial sums of squares of the input rows (see NormedRows; 0 past the last)."""
+    parts = tl.arange(0, NORM_PARTS)
+    n_parts = tl.cdiv(K, NORM_PART)
+    return tl.load(sq_ptr + offs_t[:, None].to(tl.int64) * n_parts + parts[None, :],
+                   mask=(offs_t < M)[:, None] & (parts < n_parts)[None, :], other=0.0)
+
+
+@triton.jit
+def norm_rows(acc, sq, K, eps, HAS_NORM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_T] fp32 scaled by each token's RMSNorm rstd when the norm is fused: its
+    partial sums of squares sq [BLOCK_T, NORM_PARTS] added in one fixed order (a tree over the parts)."""
     if HAS_NORM:
-        acc = acc * tl.rsqrt(ss / K + eps)[None, :]
+        acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
     return acc
 
 
 @triton.jit
-def store_plain(acc, ss, rows, offs_n, offs_t, bias_ptr, res_ptr, y_ptr, M, N, K, eps,
-                HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    acc = norm_rows(acc, ss, K, eps, HAS_NORM)
+def store_plain(acc, sq, bias, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, M, N, K, eps, pid_n,
+                HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr,
+                NORM_PART: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """y = acc (+ bias) (+ residual); EMIT_NORM: also the next RMSNorm's input as NormedRows: yn = y ⊙ nw
+    (rounded) and each token's sum of y² over every NORM_PART columns (the tile's rows)."""
+    acc = norm_rows(acc, sq, K, eps, HAS_NORM)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+        acc += bias.to(tl.float32)[:, None]
     mask = (offs_n < N)[:, None] & (offs_t < M)[None, :]
     offsets = offs_t[None, :].to(tl.int64) * N + offs_n[:, None]
+    dtype = y_ptr.dtype.element_ty
     if HAS_RESIDUAL:  # round the product to the output dtype first, as `x + linear(h)` does
-        res = tl.load(res_ptr + offsets, mask=mask, other=0.0)
-        acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
-    tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc = acc.to(dtype).to(tl.float32) + res.to(tl.float32)
+    out = acc.to(dtype)
+    tl.store(y_ptr + offsets, out, mask=mask)
+    if EMIT_NORM:
+        h = out.to(tl.float32)
+        tl.store(yn_ptr + offsets, (h * nw.to(tl.float32)[:, None]).to(dtype), mask=mask)
+        G: tl.constexpr = BLOCK_N // NORM_PART
+        squares = tl.where(mask, h * h, 0.0)
+        part_sq = tl.sum(tl.reshape(squares, [G, NORM_PART, BLOCK_T]), axis=1)  # [G, BLOCK_T]
+        n_parts = tl.cdiv(N, NORM_PART)
+        part = pid_n * G + tl.arange(0, G)
+        tl.store(ysq_ptr + offs_t[None, :].to(tl.int64) * n_parts + part[:, None], part_sq,
+                 mask=(part < n_parts)[:, None] & (offs_t < M)[None, :])
 
 
 @triton.jit
-def store_silu(gate, up, ss, rows, offs_n, offs_t, bias_ptr, y_ptr, M, I, K, eps,
+def store_silu(gate, up, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, I, K, eps,
                HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    gate = norm_rows(gate, ss, K, eps, HAS_NORM)
-    up = norm_rows(up, ss, K, eps, HAS_NORM)
+    gate = norm_rows(gate, sq, K, eps, HAS_NORM)
+    up = norm_rows(up, sq, K, eps, HAS_NORM)
     if HAS_BIAS:
-        gate += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
-        up += tl.load(bias_ptr + rows + I).to(tl.float32)[:, None]
+        gate += bias_a.to(tl.float32)[:, None]
+        up += bias_b.to(tl.float32)[:, None]
     y = gate * tl.sigmoid(gate) * up
     mask = (offs_n < I)[:, None] & (offs_t < M)[None, :]
     tl.store(y_ptr + offs_t[None, :].to(tl.int64) * I + offs_n[:, None], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -294,21 +321,22 @@ def head_rms(y, rstd_eps, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
-def store_qkv(first, second, ss, offs_c, head, j, rows_a, offs_t, bias_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr,
-              lengths_ptr, qn_ptr, kn_ptr, M, T, K, eps, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
+def store_qkv(first, second, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w_second, offs_c, head, j, rows_a, offs_t,
+              q_ptr, k_ptr, v_ptr, M, T, K, eps, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
               HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """RoPE (rotate-half) on q and k, q stored to q[M, H*Dh], k and v written to the cache at slot
     lengths[b] + t (token m = b*T + t). first/second [BLOCK_N, BLOCK_T]: columns j and j + Dh/2 of head
-    `head` for half-columns offs_c."""
+    `head` for half-columns offs_c. pos [BLOCK_T] (float), inv_freq [BLOCK_N], slot [BLOCK_T], biases and
+    q/k norm weights [BLOCK_N]: loaded before the main loop."""
     HALF: tl.constexpr = HEAD_DIM // 2
     HALVES: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
-    first = norm_rows(first, ss, K, eps, HAS_NORM)
-    second = norm_rows(second, ss, K, eps, HAS_NORM)
+    first = norm_rows(first, sq, K, eps, HAS_NORM)
+    second = norm_rows(second, sq, K, eps, HAS_NORM)
     if HAS_BIAS:
-        first += tl.load(bias_ptr + rows_a).to(tl.float32)[:, None]
-        second += tl.load(bias_ptr + rows_a + HALF).to(tl.float32)[:, None]
+        first += bias_a.to(tl.float32)[:, None]
+        second += bias_b.to(tl.float32)[:, None]
     dtype = q_ptr.dtype.element_ty
     t_ok = offs_t < M
     rotated = (head < NUM_HEADS + NUM_KV_HEADS)[:, None]  # q and k heads; v heads pass through
@@ -317,14 +345,11 @@ def store_qkv(first, second, ss, offs_c, head, j, rows_a, offs_t, bias_ptr, q_pt
         first = first.to(dtype).to(tl.float32)
         second = second.to(dtype).to(tl.float32)
         rstd = head_rms(first * first + second * second, qk_eps, HALF, BLOCK_N, BLOCK_T)
-        w_first = tl.where(is_q, tl.load(qn_ptr + j), tl.load(kn_ptr + j)).to(tl.float32)[:, None]
-        w_second = tl.where(is_q, tl.load(qn_ptr + j + HALF), tl.load(kn_ptr + j + HALF)).to(tl.float32)[:, None]
-        n_first = ((first * rstd).to(dtype).to(tl.float32) * w_first).to(dtype).to(tl.float32)
-        n_second = ((second * rstd).to(dtype).to(tl.float32) * w_second).to(dtype).to(tl.float32)
+        n_first = ((first * rstd).to(dtype).to(tl.float32) * w_first.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
+        n_second = ((second * rstd).to(dtype).to(tl.float32) * w_second.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
         first = tl.where(rotated, n_first, first)
         second = tl.where(rotated, n_second, second)
-    pos = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.float32)  # [BLOCK_T]
-    angle = pos[None, :] * tl.load(inv_freq_ptr + j)[:, None]  # [BLOCK_N, BLOCK_T], as positions.float() * inv_freq
+    angle = pos[None, :] * inv_freq[:, None]  # [BLOCK_N, BLOCK_T], as positions.float() * inv_freq
     cos = tl.cos(angle) * rope_factor
     sin = tl.sin(angle) * rope_factor
     first, second = (tl.where(rotated, first * cos - second * sin, first),
@@ -335,7 +360,6 @@ def store_qkv(first, second, ss, offs_c, head, j, rows_a, offs_t, bias_ptr, q_pt
     tl.store(q_out, first.to(dtype), mask=q_mask)
     tl.store(q_out + HALF, second.to(dtype), mask=q_mask)
     b = offs_t // T
-    slot = tl.load(lengths_ptr + b, mask=t_ok, other=0) + offs_t % T  # [BLOCK_T]
     token_base = b.to(tl.int64) * stride_cb + slot.to(tl.int64) * stride_cs  # [BLOCK_T]
     is_v = head >= NUM_HEADS + NUM_KV_HEADS
     kv_head = tl.where(is_v, head - NUM_HEADS - NUM_KV_HEADS, head - NUM_HEADS)  # [BLOCK_N]
@@ -350,21 +374,24 @@ def store_qkv(first, second, ss, offs_c, head, j, rows_a, offs_t, bias_ptr, q_pt
 
 @triton.jit(do_not_specialize=["M", "T"])
 def gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, res_ptr, norm_ptr, y_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, y_ptr, ws_ptr, cnt_ptr, xsq_ptr, nw_ptr, yn_ptr, ysq_ptr,
     k_ptr, v_ptr, pos_ptr, inv_freq_ptr, lengths_ptr, qn_ptr, kn_ptr,
     M, N, K, eps, T, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
     EPILOGUE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    EMIT_NORM: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_PART: tl.constexpr, NORM_PARTS: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
-    """EPILOGUE 0: y[M, N] = [rms_norm](x[M, K]) @ W[N, K]^T (+ bias) (+ residual).
-    EPILOGUE 1: y[M, N] = silu(g) * u with [g | u] = [rms_norm](x) @ W[2N, K]^T (+ bias).
+    """EPILOGUE 0: y[M, N] = rstd · (x[M, K] @ W[N, K]^T) (+ bias) (+ residual) [and the next norm's input].
+    EPILOGUE 1: y[M, N] = silu(g) * u with [g | u] = rstd · (x @ W[2N, K]^T) (+ bias).
     EPILOGUE 2: q/k/v of tokens x[M, K] (N = (H + 2 Hkv) * Dh/2 half-columns), see store_qkv.
-    Grid: (token tiles, row tiles, SPLIT); tokens tiled by BLOCK_T for every M."""
+    HAS_NORM: x holds rms_norm's x ⊙ w and xsq its rows' partial sums of squares (NormedRows); rstd = 1
+    otherwise. Grid: (token tiles, row tiles, SPLIT); tokens tiled by BLOCK_T for every M."""
     pid_t, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < M
     rows = tl.minimum(offs_n, N - 1)  # clamp instead of masking the weight loads; extra rows are not stored
     if EPILOGUE == 2:
         HALF: tl.constexpr = HEAD_DIM // 2
@@ -385,26 +412,72 @@ def gemm_kernel(
         if k_lo < k_hi:
             prefetch_weights(w_ptr, rows_a, rows_b, K, k_lo, k_hi, EPILOGUE != 0, PREFETCH_K)
     pdl_enter(USE_PDL)
-    acc_a, acc_b, ss = gemm_mainloop(x_ptr, w_ptr, norm_ptr, rows_a, rows_b, offs_t, M, K, k_lo, k_hi,
-                                     EPILOGUE != 0, HAS_NORM, EVEN_K, BLOCK_N, BLOCK_T, BLOCK_K)
+    # The epilogue's inputs are loaded here and used after the main loop, so their latency hides under it
+    # (nothing uses them before the loop: its pipelined weight copies are issued right after these loads).
+    sq = 0.0
+    if HAS_NORM:
+        sq = load_row_squares(xsq_ptr, offs_t, M, K, NORM_PART, NORM_PARTS)
+    bias_a = 0.0
+    bias_b = 0.0
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + rows_a)
+        if EPILOGUE != 0:
+            bias_b = tl.load(bias_ptr + rows_b)
+    if EPILOGUE == 0:
+        out_mask = (offs_n < N)[:, None] & t_ok[None, :]
+        res = 0.0
+        if HAS_RESIDUAL:
+            res = tl.load(res_ptr + offs_t[None, :].to(tl.int64) * N + offs_n[:, None], mask=out_mask, other=0.0)
+        nw = 0.0
+        if EMIT_NORM:
+            nw = tl.load(nw_ptr + rows)
+    if EPILOGUE == 2:
+        pos = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.float32)  # [BLOCK_T]
+        inv_freq = tl.load(inv_freq_ptr + j)  # [BLOCK_N]
+        slot = tl.load(lengths_ptr + offs_t // T, mask=t_ok, other=0) + offs_t % T  # [BLOCK_T]
+        w_first = 0.0
+        w_second = 0.0
+        if QK_NORM:
+            is_q = head < NUM_HEADS
+            w_first = tl.where(is_q, tl.load(qn_ptr + j), tl.load(kn_ptr + j))
+            w_second = tl.where(is_q, tl.load(qn_ptr + j + HALF), tl.load(kn_ptr + j + HALF))
+    acc_a, acc_b = gemm_mainloop(x_ptr, w_ptr, rows_a, rows_b, offs_t, M, K, k_lo, k_hi,
+                                 EPILOGUE != 0, EVEN_K, BLOCK_N, BLOCK_T, BLOCK_K)
     if SPLIT > 1:
         n_tiles = tl.num_programs(0) * tl.num_programs(1)
         tile = pid_n * tl.num_programs(0) + pid_t
-        last, acc_a, acc_b, ss = split_combine(acc_a, acc_b, ss, ws_ptr, cnt_ptr, tile, n_tiles, pid_s,
-                                               EPILOGUE != 0, HAS_NORM, SPLIT, BLOCK_N, BLOCK_T)
+        last, acc_a, acc_b = split_combine(acc_a, acc_b, ws_ptr, cnt_ptr, tile, n_tiles, pid_s,
+                                           EPILOGUE != 0, SPLIT, BLOCK_N, BLOCK_T)
     else:
         last = True
     if last:
         if EPILOGUE == 0:
-            store_plain(acc_a, ss, rows, offs_n, offs_t, bias_ptr, res_ptr, y_ptr, M, N, K, eps,
-                        HAS_NORM, HAS_BIAS, HAS_RESIDUAL)
+            store_plain(acc_a, sq, bias_a, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, M, N, K, eps, pid_n,
+                        HAS_NORM, HAS_BIAS, HAS_RESIDUAL, EMIT_NORM, NORM_PART, BLOCK_N, BLOCK_T)
         elif EPILOGUE == 1:
-            store_silu(acc_a, acc_b, ss, rows, offs_n, offs_t, bias_ptr, y_ptr, M, N, K, eps, HAS_NORM, HAS_BIAS)
+            store_silu(acc_a, acc_b, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, N, K, eps, HAS_NORM, HAS_BIAS)
         else:
-            store_qkv(acc_a, acc_b, ss, offs_n, head, j, rows_a, offs_t, bias_ptr, y_ptr, k_ptr, v_ptr, pos_ptr,
-                      inv_freq_ptr, lengths_ptr, qn_ptr, kn_ptr, M, T, K, eps, qk_eps, rope_factor,
-                      stride_cb, stride_ch, stride_cs, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                      HAS_NORM, HAS_BIAS, QK_NORM, BLOCK_N, BLOCK_T)
+            store_qkv(acc_a, acc_b, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w_second, offs_n, head, j, rows_a,
+                      offs_t, y_ptr, k_ptr, v_ptr, M, T, K, eps, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
+                      NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, HAS_BIAS, QK_NORM, BLOCK_N, BLOCK_T)
+
+
+@triton.jit
+def prenorm_kernel(x_ptr, w_ptr, xn_ptr, sq_ptr, D, BLOCK_D: tl.constexpr, NORM_PART: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row of NormedRows for rms_norm(x; w): xn = x ⊙ w rounded to x's dtype, and the sums of x² over
+    every NORM_PART columns (the first layer's input; later layers get theirs from the GEMM before)."""
+    row = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + row * D + offs, (x * w).to(xn_ptr.dtype.element_ty), mask=mask)
+    PARTS: tl.constexpr = BLOCK_D // NORM_PART
+    part_sq = tl.sum(tl.reshape(x * x, [PARTS, NORM_PART]), axis=1)  # [PARTS]
+    n_parts = tl.cdiv(D, NORM_PART)
+    part = tl.arange(0, PARTS)
+    tl.store(sq_ptr + row * n_parts + part, part_sq, mask=part < n_parts)
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -573,78 +646,120 @@ def rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr, USE_PDL:
 # ------------------------------------------------------------------------------------------- wrappers
 
 
-def launch_gemm(epilogue: int, x: Tensor, weight: Tensor, rows: int, c: GemmConfig, y: Tensor, bias=None, residual=None,
-                norm_weight=None, eps: float = 0.0, qkv: dict | None = None) -> None:
-    """Launch gemm_kernel over x [M, K] and `rows` weight rows per accumulator (see its docstring)."""
-    M, K = x.shape
+@dataclass(frozen=True)
+class NormedRows:
+    """rms_norm(h; w) as the GEMMs take it (they apply it: rms_norm(h) W^T = rstd · (h ⊙ w) W^T): x = h ⊙ w
+    rounded to h's dtype [M, D], and each row's sum of squares of h as fp32 partial sums over every
+    NORM_PART columns [M, cdiv(D, NORM_PART)], added in one fixed order by the GEMM that takes them
+    (rstd = rsqrt(sum / D + eps)). Made by `prenorm`, or by the GEMM that produces h (next_norm), so the
+    GEMM's main loop streams x untouched."""
+
+    x: Tensor
+    sq: Tensor
+    eps: float
+
+
+def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int, c: GemmConfig, y: Tensor, bias=None,
+                residual=None, qkv: dict | None = None, next_norm: tuple[Tensor | None, float] | None = None) -> NormedRows | None:
+    """Launch gemm_kernel over x [M, K] and `rows` weight rows per accumulator (see its docstring); returns
+    the next norm's NormedRows of y when next_norm has a weight."""
+    x_rows, x_sq, eps = (x.x, x.sq, x.eps) if isinstance(x, NormedRows) else (x, None, 0.0)
+    M, K = x_rows.shape
     grid = (triton.cdiv(M, BLOCK_T), triton.cdiv(rows, c.block_n), c.split_k)
     ws = cnt = None
     if c.split_k > 1:
         tiles = grid[0] * grid[1]
-        ws = torch.empty(c.split_k * tiles * (2 * c.block_n + 1) * BLOCK_T, dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, tiles)
+        ws = torch.empty(c.split_k * tiles * 2 * c.block_n * BLOCK_T, dtype=torch.float32, device=x_rows.device)
+        cnt = counters(x_rows.device, tiles)
+    next_w, next_eps = next_norm if next_norm is not None else (None, 0.0)
+    normed = None
+    if next_w is not None:
+        assert epilogue == 0 and c.block_n % NORM_PART == 0
+        normed = NormedRows(torch.empty_like(y), torch.empty(M, triton.cdiv(y.shape[1], NORM_PART), dtype=torch.float32,
+                                                             device=y.device), float(next_eps))
     q = qkv or {}
     k_cache = q.get("k_cache")
     strides = k_cache.stride()[:3] if k_cache is not None else (0, 0, 0)
-    use_pdl, extra = launch_options(x.device)
+    use_pdl, extra = launch_options(x_rows.device)
     per_split = triton.cdiv(triton.cdiv(K, c.block_k), c.split_k) * c.block_k
     ahead = c.block_k * max(1, c.num_stages - 1)  # what the pipeline's prologue loads first
     prefetch_k = max(128 // weight.element_size(), min(triton.next_power_of_2(per_split), 1 << (ahead.bit_length() - 1)))
     prefetch_k = prefetch_k if use_pdl and PREFETCH else 0
     gemm_kernel[grid](
-        x, weight, bias, residual, norm_weight, y, ws, cnt,
+        x_rows, weight, bias, residual, y, ws, cnt, x_sq, next_w, None if normed is None else normed.x,
+        None if normed is None else normed.sq,
         k_cache, q.get("v_cache"), q.get("positions"), q.get("inv_freq"), q.get("lengths"), q.get("q_norm"), q.get("k_norm"),
         M, rows, K, eps, q.get("T", 1), q.get("qk_eps", 0.0), q.get("rope_factor", 1.0), *strides,
-        EPILOGUE=epilogue, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        EVEN_K=K % c.block_k == 0, SPLIT=c.split_k,
+        EPILOGUE=epilogue, HAS_NORM=x_sq is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        EMIT_NORM=normed is not None, EVEN_K=K % c.block_k == 0, SPLIT=c.split_k,
         NUM_HEADS=q.get("num_heads", 1), NUM_KV_HEADS=q.get("num_kv_heads", 1), HEAD_DIM=q.get("head_dim", 2),
         QK_NORM=q.get("q_norm") is not None,
-        BLOCK_T=BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k, USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
+        BLOCK_T=BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM_PART=NORM_PART,
+        NORM_PARTS=triton.next_power_of_2(triton.cdiv(K, NORM_PART)), USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
         num_warps=c.num_warps, num_stages=c.num_stages, **extra,
     )
+    return normed
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-           norm_weight: Tensor | None = None, eps: float = 0.0, out_dtype: torch.dtype | None = None,
-           config: GemmConfig | None = None) -> Tensor:
-    """x [M, K] -> [M, N] = [rms_norm(x; norm_weight, eps)] @ weight[N, K]^T (+ bias) (+ residual [M, N])."""
-    M, K = x.shape
+def rows_of(x: Tensor | NormedRows) -> Tensor:
+    return x.x if isinstance(x, NormedRows) else x
+
+
+def prenorm(x: Tensor, weight: Tensor, eps: float) -> NormedRows:
+    """x [M, D] -> NormedRows of rms_norm(x; weight, eps), for a GEMM to apply."""
+    M, D = x.shape
+    normed = NormedRows(torch.empty_like(x), torch.empty(M, triton.cdiv(D, NORM_PART), dtype=torch.float32, device=x.device),
+                        float(eps))
+    use_pdl, extra = launch_options(x.device)
+    prenorm_kernel[(M,)](x, weight, normed.x, normed.sq, D, BLOCK_D=max(NORM_PART, triton.next_power_of_2(D)),
+                         NORM_PART=NORM_PART, USE_PDL=use_pdl, num_warps=4, **extra)
+    return normed
+
+
+def linear(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
+           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None,
+           next_norm: tuple[Tensor | None, float] | None = None):
+    """x [M, K] (NormedRows: rms_norm(h) fused) -> y [M, N] = x @ weight[N, K]^T (+ bias) (+ residual [M, N]).
+    next_norm (weight or None, eps): returns (y, the next RMSNorm's input: NormedRows of y, or y itself
+    when the weight is None)."""
+    M, K = rows_of(x).shape
     N = weight.shape[0]
     c = config or pick_gemm_config("plain", N, K, weight.dtype)
-    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    launch_gemm(0, x, weight, N, c, y, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps)
-    return y
+    y = torch.empty(M, N, dtype=out_dtype or rows_of(x).dtype, device=weight.device)
+    normed = launch_gemm(0, x, weight, N, c, y, bias=bias, residual=residual, next_norm=next_norm)
+    if next_norm is None:
+        return y
+    return y, (y if normed is None else normed)
 
 
-def silu_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, norm_weight: Tensor | None = None,
-                eps: float = 0.0, config: GemmConfig | None = None) -> Tensor:
-    """x [M, K], fused gate/up weight [2I, K] -> silu(gate) * up [M, I]."""
-    M, K = x.shape
+def silu_linear(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None = None, config: GemmConfig | None = None) -> Tensor:
+    """x [M, K] (NormedRows: rms_norm(h) fused), fused gate/up weight [2I, K] -> silu(gate) * up [M, I]."""
+    M, K = rows_of(x).shape
     I = weight.shape[0] // 2
     c = config or pick_gemm_config("silu", I, K, weight.dtype)
-    y = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    launch_gemm(1, x, weight, I, c, y, bias=bias, norm_weight=norm_weight, eps=eps)
+    y = torch.empty(M, I, dtype=rows_of(x).dtype, device=weight.device)
+    launch_gemm(1, x, weight, I, c, y, bias=bias)
     return y
 
 
-def qkv_rope_write(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, eps: float,
+def qkv_rope_write(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None,
                    positions: Tensor, inv_freq: Tensor, rope_factor: float, k_cache: Tensor, v_cache: Tensor,
                    lengths: Tensor, T: int, num_heads: int, num_kv_heads: int,
                    q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
                    config: GemmConfig | None = None) -> Tensor:
-    """x [M, K] (M = B*T) -> rotated q [M, H*Dh]; rotated k and v are written into k_cache, v_cache
-    [B, Hkv, S, Dh] at slots lengths[b] .. lengths[b]+T-1. positions [B, T] (int), inv_freq [Dh/2] fp32:
-    cos/sin of positions.float() * inv_freq, times rope_factor. q_norm, k_norm [Dh]: Qwen3's per-head
-    RMSNorm of q and k (eps qk_eps) before RoPE."""
-    M, K = x.shape
+    """x [M, K] (M = B*T; NormedRows: rms_norm(h) fused) -> rotated q [M, H*Dh]; rotated k and v are
+    written into k_cache, v_cache [B, Hkv, S, Dh] at slots lengths[b] .. lengths[b]+T-1. positions [B, T]
+    (int), inv_freq [Dh/2] fp32: cos/sin of positions.float() * inv_freq, times rope_factor. q_norm,
+    k_norm [Dh]: Qwen3's per-head RMSNorm of q and k (eps qk_eps) before RoPE."""
+    M, K = rows_of(x).shape
     head_dim = k_cache.shape[-1]
     halves = weight.shape[0] // 2
     min_block_n = head_dim // 2 if q_norm is not None else 64  # the per-head norm needs whole heads in a tile
     c = config or pick_gemm_config("qkv", halves, K, weight.dtype, min_block_n)
     assert q_norm is None or c.block_n % (head_dim // 2) == 0, "qk_norm needs block_n a multiple of head_dim / 2"
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    q = torch.empty(M, num_heads * head_dim, dtype=x.dtype, device=x.device)
-    launch_gemm(2, x, weight, halves, c, q, bias=bias, norm_weight=norm_weight, eps=eps, qkv=dict(
+    q = torch.empty(M, num_heads * head_dim, dtype=rows_of(x).dtype, device=weight.device)
+    launch_gemm(2, x, weight, halves, c, q, bias=bias, qkv=dict(
         k_cache=k_cache, v_cache=v_cache, positions=positions, inv_freq=inv_freq, lengths=lengths, T=T,
         rope_factor=float(rope_factor), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         q_norm=q_norm, k_norm=k_norm, qk_eps=float(qk_eps)))
