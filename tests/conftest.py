@@ -105,6 +105,18 @@ TINY = dict(
 )
 
 
+def two_branch_tree() -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """A draft tree of two branches numbered branch by branch (the second one's slots are not its
+    positions, and its nodes see slots with other nodes between them): (branches, depths [9], mask [9, 9])."""
+    branches = [[0, 1, 2, 3], [0, 4, 5, 6, 7, 8]]
+    depths, mask = torch.zeros(9, dtype=torch.long), torch.zeros(9, 9, dtype=torch.bool)
+    for branch in branches:
+        for depth, node in enumerate(branch):
+            depths[node] = depth
+            mask[node, branch[: depth + 1]] = True
+    return branches, depths, mask
+
+
 def hf_config(model_type: str = "llama", **overrides):
     from transformers import AutoConfig
 

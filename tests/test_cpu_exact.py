@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, build_hf, save_hf
-from specdec.models import cpu_attention, cpu_gemm, load_model
+from conftest import TINY, build_hf, save_hf, two_branch_tree
+from specdec.models import cpu_attention, cpu_gemm, cpu_layer, load_model
 from specdec.models.linear import Linear, use_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU kernels could not be built")
@@ -148,9 +148,16 @@ def decode_plainly(model, prefix: torch.Tensor, new: torch.Tensor):
     return torch.cat([o.logits for o in outs], 1), torch.cat([o.hidden for o in outs], 1)
 
 
-def test_a_verify_block_gives_each_token_the_bits_of_plain_decoding(model, monkeypatch):
+@pytest.mark.parametrize("path", ["c-layers", "pytorch-glue"])
+def test_a_verify_block_gives_each_token_the_bits_of_plain_decoding(model, monkeypatch, path):
+    """Both CPU paths: whole layers in one C call (cpu_layer.c), and the C kernels glued by PyTorch ops."""
     calls = []
-    monkeypatch.setattr(cpu_attention, "attend", lambda *a, _attend=cpu_attention.attend: calls.append(1) or _attend(*a))
+    if path == "c-layers":
+        run = cpu_layer.run_layers_cpu
+        monkeypatch.setattr(cpu_layer, "run_layers_cpu", lambda *a: calls.append(1) or run(*a))
+    else:
+        monkeypatch.setattr(cpu_layer, "run_layers_cpu", lambda *a: None)
+        monkeypatch.setattr(cpu_attention, "attend", lambda *a, _attend=cpu_attention.attend: calls.append(1) or _attend(*a))
     prefix, new = tokens(1, 6, seed=1), tokens(1, 17, seed=2)
     logits, hidden = decode_plainly(model, prefix, new)
     for T in range(1, 18):
@@ -159,18 +166,11 @@ def test_a_verify_block_gives_each_token_the_bits_of_plain_decoding(model, monke
         block = model(new[:, :T], chain(6, T), cache)
         assert torch.equal(block.logits, logits[:, :T]), T
         assert torch.equal(block.hidden, hidden[:, :T]), T
-    assert calls  # attention ran through the exact kernel, not SDPA
+    assert calls  # the exact kernels ran, not MKL and SDPA
 
 
 def test_a_tree_gives_its_accepted_path_the_bits_of_plain_decoding(model):
-    """Tree nodes numbered branch by branch: the second branch's slots are not its positions, and
-    its nodes see slots with other nodes between them."""
-    branches = [[0, 1, 2, 3], [0, 4, 5, 6, 7, 8]]
-    depths, mask = torch.zeros(9, dtype=torch.long), torch.zeros(9, 9, dtype=torch.bool)
-    for branch in branches:
-        for depth, node in enumerate(branch):
-            depths[node] = depth
-            mask[node, branch[: depth + 1]] = True
+    branches, depths, mask = two_branch_tree()
     prefix, nodes = tokens(1, 7, seed=3), tokens(1, 9, seed=4)
     cache = model.new_cache(1, 16)
     model(prefix, chain(0, 7), cache)

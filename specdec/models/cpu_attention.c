@@ -185,6 +185,9 @@ static void accumulate(const float *p, const void *v, ptrdiff_t v_ss, const int 
 }
 #endif
 
+/* p[j] = exp(p[j]) for j < n, for p[j] <= 0, in place: the softmax's exp, for cpu_layer.c's SiLU. */
+void specdec_exp(float *p, int n) { exponentiate(p, n, 0.0f); }
+
 /* One query q [Dh] (float32) over the keys at slots slot[0 .. n-1], in that order (n >= 1):
  * o[:Dh] = softmax of (q . k) * scale, times v, in float32. Scratch p [n]. Shared with cpu_layer.c,
  * so that the whole-layer path attends with the same bits as `attend`. */

@@ -138,6 +138,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_ssize_t] * 11 + [ctypes.c_int]
     lib.specdec_layers.restype = ctypes.c_int
     lib.specdec_layers.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.specdec_rms_norm.restype = None
+    lib.specdec_rms_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -240,17 +242,17 @@ def pad_bias(bias: Tensor | None, packed: Tensor) -> Tensor | None:
     return torch.nn.functional.pad(bias.detach().float(), (0, packed.shape[0] * NR - bias.shape[0])).contiguous()
 
 
-def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, scales: Tensor | None = None) -> Tensor:
-    """x [..., K] float32 or bfloat16 -> [..., out_features] = x @ W.T + bias in x's dtype, accumulated
-    in float32, with W packed by `pack` (float32 or bfloat16 panels) or `pack_int8` (then `scales` is
-    given), bias padded by `pad_bias`. (Lean: a decode forward makes ~120 of these calls.)"""
+def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, scales: Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., K] float32 or bfloat16 -> [..., out_features] = x @ W.T + bias in out_dtype (default x's
+    dtype), accumulated in float32, with W packed by `pack` (float32 or bfloat16 panels) or `pack_int8`
+    (then `scales` is given), bias padded by `pad_bias`. (Lean: a decode forward makes ~120 of these calls.)"""
     x = x.contiguous()
     K, N = x.shape[-1], packed.shape[0] * NR
-    y = x.new_empty(x.shape[:-1] + (N,))
-    bf16 = x.dtype == torch.bfloat16
-    library().skinny_gemm(x.data_ptr(), bf16, packed.data_ptr(), WEIGHT_TYPES[packed.dtype],
+    y = x.new_empty(x.shape[:-1] + (N,), dtype=out_dtype or x.dtype)
+    library().skinny_gemm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(), WEIGHT_TYPES[packed.dtype],
                           None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                          y.data_ptr(), bf16, x.shape[:-1].numel(), K, N, torch.get_num_threads())
+                          y.data_ptr(), y.dtype == torch.bfloat16, x.shape[:-1].numel(), K, N, torch.get_num_threads())
     return y if N == out_features else y[..., :out_features]
 
 

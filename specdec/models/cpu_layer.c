@@ -9,9 +9,11 @@
  *     x = x + a @ Wo (+ bias)
  *     h = rms_norm(x)                    (post_attention_layernorm)
  *     x = x + (silu(g) * u) @ Wdown, with g, u = h @ Wgate_up (+ biases)
- * The same arithmetic as the PyTorch path of specdec/models/llama.py with the C kernels (packed Linear
- * layers, cpu_attention), without its ~40 small PyTorch operations per layer (each ~10-50 us on a
- * 2-core CPU, more than the arithmetic they do).
+ * The maths of the PyTorch path of specdec/models/llama.py with the C kernels (packed Linear layers,
+ * cpu_attention: the same products and attention, bit for bit), without its ~40 small PyTorch
+ * operations per layer (each ~10-50 us on a 2-core CPU, more than the arithmetic they do). The
+ * elementwise stages agree with PyTorch's within a few roundings, not bitwise: other summation order
+ * in RMSNorm, libm's cosf / sinf and a vectorised exp in SiLU.
  *
  * Exactness: every stage works on one token row, one head or one query at a time, and every sum runs
  * in one fixed order that depends only on the model's dimensions: RMSNorm's sum of squares in 8
@@ -29,7 +31,8 @@
  *     attention:  round(out)                               (cpu_attention)
  *     residuals:  round(x + round(y))
  *     SiLU * mul: round(round(silu(g)) * u)                (fused.silu_mul)
- * In float32 every rounding is the identity. Keys and values go to the cache in its dtype.
+ * In float32 every rounding is the identity. Keys and values go to the cache in its dtype (the values
+ * rounded above, so exactly).
  *
  * The products and attention run on up to `threads` threads (cpu_threads.c), the elementwise stages
  * on the calling thread (a few microseconds a row). Built into one library with the other kernels by
@@ -48,6 +51,7 @@ void skinny_gemm(const void *x, int x_bf16, const void *packed, int wtype, const
                  int y_bf16, int M, int K, int N, int threads);
 void specdec_attend_slots(const float *q, const void *k, const void *v, ptrdiff_t k_ss, ptrdiff_t v_ss, const int *slot,
                           int n, int Dh, int bf16, float scale, float *p, float *o);
+void specdec_exp(float *p, int n);
 void specdec_parallel(int tasks, int threads, void (*fn)(void *ctx, int task), void *ctx);
 float *specdec_scratch(size_t n);
 
@@ -110,7 +114,7 @@ static inline void store_act(void *p, size_t i, float f, int bf16) {
 
 /* out[:n] = RMSNorm of x[:n] (in place allowed), as fused.rms_norm: the sum of squares in 8 lanes
  * (lane i takes elements i, i+8, ...), combined as ((0+4)+(2+6))+((1+5)+(3+7)); then
- * round(w * round(x / sqrt(mean + eps))). */
+ * round(w * round(x * r)), r = 1 / sqrt(mean + eps). */
 static void rms_norm_row(const float *x, float *out, int n, norm_args norm, int bf16) {
     float lane[8] = {0};
     int i = 0;
@@ -157,7 +161,7 @@ static void rope_tables(const stack_args *f, float *cos_t, float *sin_t) {
 }
 
 /* x[:Dh] rotated in place, rotate-half layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
-static void rotate(float *x, const float *c, const float *s, int Dh, int bf16) {
+static void rotate(float *restrict x, const float *restrict c, const float *restrict s, int Dh, int bf16) {
     const int half = Dh / 2;
     for (int i = 0; i < half; i++) {
         const float x1 = x[i], x2 = x[i + half];
@@ -260,19 +264,39 @@ static void attention(const stack_args *f, int l, const float *qkv, int ldq, flo
     specdec_parallel((units + per_task - 1) / per_task, threads, attention_task, &a);
 }
 
-/* a [M, I] = round(round(silu(g)) * u) for gu [M, ldg] = [g | u | padding]. */
-static void silu_mul(const float *gu, int ldg, float *a, int M, int I, int bf16) {
-    for (int m = 0; m < M; m++)
-        for (int i = 0; i < I; i++) {
-            const float g = gu[(size_t)m * ldg + i], u = gu[(size_t)m * ldg + I + i];
-            a[(size_t)m * I + i] = as_act(as_act(g / (1.0f + expf(-g)), bf16) * u, bf16);
-        }
+/* e where g's sign bit is set, else 1, by bit operations (a select the compiler vectorises, where it
+ * keeps a comparison of floats as a branch). */
+static inline float one_or(float g, float e) {
+    uint32_t gb, eb;
+    memcpy(&gb, &g, 4), memcpy(&eb, &e, 4);
+    const uint32_t negative = (uint32_t)((int32_t)gb >> 31), pick = (eb & negative) | (0x3f800000u & ~negative);
+    float s;
+    memcpy(&s, &pick, 4);
+    return s;
+}
+
+/* a [M, I] = round(round(silu(g)) * u) for gu [M, ldg] = [g | u | padding], with
+ * silu(g) = g * s / (1 + e), e = exp(-|g|) (never overflows), s = 1 for g >= 0 and e below, from
+ * the attention's vectorised exp (a few ulp from expf; one value's result never depends on its
+ * neighbours). Scratch e [I]. */
+static void silu_mul(const float *restrict gu, int ldg, float *restrict a, int M, int I, int bf16, float *restrict e) {
+    for (int m = 0; m < M; m++) {
+        const float *restrict g = gu + (size_t)m * ldg, *restrict u = g + I;
+        float *restrict out = a + (size_t)m * I;
+        for (int i = 0; i < I; i++) e[i] = -fabsf(g[i]);
+        specdec_exp(e, I);
+        for (int i = 0; i < I; i++) out[i] = g[i] * one_or(g[i], e[i]) / (1.0f + e[i]);
+        if (bf16)
+            for (int i = 0; i < I; i++) out[i] = as_act(as_act(out[i], 1) * u[i], 1);
+        else
+            for (int i = 0; i < I; i++) out[i] *= u[i];
+    }
 }
 
 /* x [M, D] (float32, in place) through layer l. Work buffers: h [M, D], qkv [M, qkv.N], att [M, H * Dh],
- * y [M, max(o.N, down.N)], gu [M, gate_up.N], act [M, I], cos and sin [M, Dh / 2]. */
+ * y [M, max(o.N, down.N)], gu [M, gate_up.N], act [M, I], e [I]; cos and sin [M, Dh / 2]. */
 static void run_layer(const stack_args *f, const layer_args *layer, int l, float *x, float *h, float *qkv, float *att,
-                      float *y, float *gu, float *act, const float *cos_t, const float *sin_t) {
+                      float *y, float *gu, float *act, float *e, const float *cos_t, const float *sin_t) {
     const int M = f->B * f->T, D = f->D, bf16 = f->bf16, threads = f->threads;
     norm_rows(x, h, M, D, layer->input_norm, bf16);
     product(h, layer->qkv, qkv, M, D, bf16, threads);
@@ -282,7 +306,7 @@ static void run_layer(const stack_args *f, const layer_args *layer, int l, float
     add_rows(x, y, M, D, layer->o.N, bf16);
     norm_rows(x, h, M, D, layer->post_norm, bf16);
     product(h, layer->gate_up, gu, M, D, bf16, threads);
-    silu_mul(gu, layer->gate_up.N, act, M, f->I, bf16);
+    silu_mul(gu, layer->gate_up.N, act, M, f->I, bf16, e);
     product(act, layer->down, y, M, f->I, bf16, threads);
     add_rows(x, y, M, D, layer->down.N, bf16);
 }
@@ -303,15 +327,29 @@ int specdec_layers(const layer_args *layers, int L, const stack_args *f, const v
         widest_gu = layers[l].gate_up.N > widest_gu ? layers[l].gate_up.N : widest_gu;
     }
     const size_t per_row = 2 * (size_t)D + widest_qkv + (size_t)f->H * f->Dh + widest_y + widest_gu + f->I + 2 * half;
-    float *x = malloc((size_t)M * per_row * sizeof(float));
+    float *x = malloc(((size_t)M * per_row + f->I) * sizeof(float));
     if (!x) abort();
     float *h = x + (size_t)M * D, *qkv = h + (size_t)M * D, *att = qkv + (size_t)M * widest_qkv;
     float *y = att + (size_t)M * f->H * f->Dh, *gu = y + (size_t)M * widest_y, *act = gu + (size_t)M * widest_gu;
-    float *cos_t = act + (size_t)M * f->I, *sin_t = cos_t + (size_t)M * half;
+    float *cos_t = act + (size_t)M * f->I, *sin_t = cos_t + (size_t)M * half, *e = sin_t + (size_t)M * half;
     for (size_t i = 0; i < (size_t)M * D; i++) x[i] = load_act(x_in, i, f->bf16);
     rope_tables(f, cos_t, sin_t);
-    for (int l = 0; l < L; l++) run_layer(f, &layers[l], l, x, h, qkv, att, y, gu, act, cos_t, sin_t);
+    for (int l = 0; l < L; l++) run_layer(f, &layers[l], l, x, h, qkv, att, y, gu, act, e, cos_t, sin_t);
     for (size_t i = 0; i < (size_t)M * D; i++) store_act(x_out, i, x[i], f->bf16);
     free(x);
     return 0;
+}
+
+/* out [M, D] = each row of x [M, D] (activation dtype; may be the same buffer) through the RMSNorm
+ * (weight [D], activation dtype), as the layers' norms: the model's final norm. */
+void specdec_rms_norm(const void *x, void *out, int M, int D, const void *weight, float eps, int bf16) {
+    float *row = malloc((size_t)D * sizeof(float));
+    if (!row) abort();
+    const norm_args norm = {weight, eps};
+    for (int m = 0; m < M; m++) {
+        for (int i = 0; i < D; i++) row[i] = load_act(x, (size_t)m * D + i, bf16);
+        rms_norm_row(row, row, D, norm, bf16);
+        for (int i = 0; i < D; i++) store_act(out, (size_t)m * D + i, row[i], bf16);
+    }
+    free(row);
 }

@@ -5,18 +5,44 @@ attention through the C kernels, glued by ~40 small PyTorch operations (RMSNorm,
 views, residual adds, dtype conversions) that cost 10-50 us each on a 2-core CPU: more than the
 arithmetic they do, and the same in bfloat16 as in float32, so a bfloat16 forward that reads half the
 weight bytes was barely faster. `run_layers_cpu` runs every layer of a forward in one call to
-cpu_layer.c, with the same arithmetic, the same fixed reduction orders (each token's outputs are
-bitwise independent of T, B, trees and threads) and the same roundings to bfloat16 (listed in the C
-file; one deviation: RoPE rounds once, in float32, where PyTorch rounds cos, sin and each step).
+cpu_layer.c: the same products and attention (bit for bit), the same fixed reduction orders (each
+token's outputs are bitwise independent of T, B, trees and threads), the same roundings to bfloat16
+(listed in the C file; one deviation: RoPE rounds once, in float32, where PyTorch rounds cos, sin and
+each step). It covers what the native models have: GQA, q/k/v biases, Qwen3's q/k norms, a sliding
+window, a layer without an input norm (EAGLE), int8 layers (views.int8_copy).
+
+`norm_and_logits` does the final norm and the logits (float32, straight from the kernel's float32
+sums). It matters as much: PyTorch's conversion of a bfloat16 row of 49,152 logits to float32 is
+large enough to run on OpenMP threads, and on a busy 2-core CPU it waited milliseconds for one
+(measured: bfloat16 plain decoding through `run_layers_cpu` alone was 1.03-1.47x float32; with
+`norm_and_logits` too, 1.51-1.65x).
 
 Where it cannot run a forward (`unsupported` says why: no cache, autograd on, not on the CPU, a dtype
 or layer the C code does not cover, unpacked Linear layers) it returns None and the caller runs the
 PyTorch path, which is exact on the CPU too, only slower.
+
+One decode forward of the default model (T = 1, context 200, 2 threads), median ms, the configurations
+alternating forward by forward; AMD EPYC (Zen 3), 2 cores shared with other jobs (load 1.3-1.5):
+
+                                    float32    bfloat16
+    PyTorch path (packed Linear)    41.8       32.8
+    run_layers_cpu                  22.8       12.5
+    + norm_and_logits               22.7       12.2
+    inside the C call (layers)      13.5        8.5     products 12.0 / 7.1, attention 1.1 / 0.85
+
+Python's share of a `run_layers_cpu` call is ~0.1 ms (mostly checking the layers' packs: `fingerprint`).
+End to end (`specdec generate --drafter none --max-new-tokens 128`, float32 and bfloat16 runs
+alternating, 3-8 pairs, five sessions at loads 1-3), bfloat16 / float32 tokens per second: 1.09-1.26
+through the PyTorch path, 1.51-1.65 (median 1.6) with `run_layers_cpu` and `norm_and_logits`; float32
+itself 1.9x faster than through the PyTorch path (45 against 23 tok/s). The products read weights at
+~30 GB/s in float32 but ~25 GB/s in bfloat16 on 2 threads (16-17 against 19-21 on one), which is what
+keeps bfloat16 from 2x.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 from dataclasses import dataclass
 
@@ -61,45 +87,57 @@ class Dims:
 @dataclass
 class Prepared:
     """A layer list's arguments for cpu_layer.c, or why it has none."""
-    signature: tuple  # what the pointers were taken from (see `signature`)
+    fingerprint: list  # what they were taken from (see `fingerprint`)
     problem: str | None
     dims: Dims | None = None
     args: ctypes.Array | None = None  # LayerArgs * L
-    keep: tuple = ()  # the tensors the pointers point into, kept alive
+    keep: tuple = ()  # the tensors the pointers point into, kept alive (a `.to()` swaps a parameter's storage)
 
 
 PREPARED: "weakref.WeakKeyDictionary[nn.Module, Prepared]" = weakref.WeakKeyDictionary()
 
 
-def forward_problem(x: Tensor, cache) -> str | None:
-    """Why this forward cannot run here whatever its layers are (None: it can)."""
-    if cache is None:
-        return "no KV cache (a training forward)"
+def tensor_problem(x: Tensor) -> str | None:
+    """Why the C code cannot take x (None: it can)."""
     if torch.is_grad_enabled():
         return "autograd is on"
     if x.device.type != "cpu":
         return f"x is on {x.device.type}, not the CPU"
     if x.dtype not in cpu_gemm.KERNEL_DTYPES:
         return f"dtype {x.dtype} (the C kernels take {' and '.join(map(str, cpu_gemm.KERNEL_DTYPES))})"
-    if cache.k.dtype != x.dtype or cache.k.stride() != cache.v.stride() or cache.k.stride(-1) != 1:
-        return f"a {cache.k.dtype} cache with strides {cache.k.stride()} (wants {x.dtype}, k and v alike, head_dim contiguous)"
     if not cpu_gemm.available():
         return f"the CPU kernels could not be built ({cpu_gemm.build_status()['error']})"
     return None
 
 
-def signature(layers, dtype: torch.dtype) -> tuple:
-    """What prepared arguments for `layers` depend on: the modules, their packed tensors (by identity;
-    a repack makes new ones) and the norm weights' storage (`.to()` swaps a parameter's storage in place)."""
-    parts: list = [dtype]
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            parts += (id(lin), id(lin.packed), id(lin.packed_bias), id(lin.scales))
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm):
-            weight = getattr(norm, "weight", None)
-            parts += (id(norm), 0 if weight is None else weight.data_ptr())
-    return tuple(parts)
+def cache_problem(cache, x: Tensor, num_layers: int) -> str | None:
+    """Why the C code cannot run a forward of x [B, T, D] through num_layers layers over cache (None: it can)."""
+    if cache is None:
+        return "no KV cache (a training forward)"
+    k, v = cache.k, cache.v  # [L, B, Hkv, S, Dh]
+    if k.device.type != "cpu" or k.dtype != x.dtype or k.stride() != v.stride() or k.stride(-1) != 1:
+        return f"a {k.dtype} {k.device.type} cache with strides {k.stride()} (wants {x.dtype} on the CPU, k and v alike)"
+    if k.shape[0] < num_layers or k.shape[1] != x.shape[0]:
+        return f"a cache of {k.shape[0]} layers x {k.shape[1]} rows for {num_layers} layers x {x.shape[0]} rows"
+    return None
+
+
+def fingerprint(layers: nn.ModuleList, dtype: torch.dtype) -> list:
+    """What prepared arguments for `layers` were taken from and must still be there: the activation
+    dtype, each layer's norm modules and its Linear layers' packed weights (by identity: repacking or
+    dropping the packs, as kernels="library" does, makes new ones). Walks the modules' own dicts: this
+    runs every forward (~1 us a layer; nn.Module's attribute lookup is 10x slower)."""
+    found: list = [dtype]
+    for layer in layers._modules.values():
+        mods = layer._modules
+        attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
+        found += (mods["input_layernorm"], mods["post_attention_layernorm"], attn["qkv_proj"].packed,
+                  attn["o_proj"].packed, mlp["gate_up_proj"].packed, mlp["down_proj"].packed)
+    return found
+
+
+def unchanged(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def linear_problem(lin: nn.Module, in_features: int, out_features: int) -> str | None:
@@ -112,11 +150,12 @@ def linear_problem(lin: nn.Module, in_features: int, out_features: int) -> str |
     return None
 
 
-def norm_problem(norm: nn.Module | None, dim: int, dtype: torch.dtype, optional: bool) -> str | None:
+def norm_problem(norm: nn.Module | None, dim: int, dtype: torch.dtype) -> str | None:
+    """Why the C code cannot run this norm (None: it can; None or nn.Identity is no norm)."""
     from specdec.models.llama import RMSNorm
 
     if norm is None or isinstance(norm, nn.Identity):
-        return None if optional or norm is not None else "a missing norm"
+        return None
     if type(norm).forward is not RMSNorm.forward:
         return f"a {type(norm).__name__} norm"
     if norm.weight.shape != (dim,) or norm.weight.dtype != dtype or not norm.weight.is_contiguous():
@@ -140,10 +179,10 @@ def layer_problem(layer: nn.Module, dims: Dims, dtype: torch.dtype) -> str | Non
         linear_problem(attn.o_proj, dims.H * dims.Dh, dims.D),
         linear_problem(mlp.gate_up_proj, dims.D, 2 * dims.I),
         linear_problem(mlp.down_proj, dims.I, dims.D),
-        norm_problem(layer.input_layernorm, dims.D, dtype, optional=True),
-        norm_problem(layer.post_attention_layernorm, dims.D, dtype, optional=True),
-        norm_problem(attn.q_norm, dims.Dh, dtype, optional=True),
-        norm_problem(attn.k_norm, dims.Dh, dtype, optional=True),
+        norm_problem(layer.input_layernorm, dims.D, dtype),
+        norm_problem(layer.post_attention_layernorm, dims.D, dtype),
+        norm_problem(attn.q_norm, dims.Dh, dtype),
+        norm_problem(attn.k_norm, dims.Dh, dtype),
     )
     return next((problem for problem in checks if problem), None)
 
@@ -168,39 +207,37 @@ def norm_args(norm: nn.Module | None) -> NormArgs:
     return NormArgs(None, 0.0) if weight is None else NormArgs(weight.data_ptr(), norm.eps)
 
 
-def prepare(layers, dtype: torch.dtype) -> Prepared:
-    """The C arguments of `layers` (built once, rebuilt when `signature` changes), or why there are none."""
-    key = signature(layers, dtype)
+def prepare(layers: nn.ModuleList, dtype: torch.dtype) -> Prepared:
+    """The C arguments of `layers` (built once, rebuilt when their `fingerprint` changes), or why there are none."""
+    found = fingerprint(layers, dtype)
     prepared = PREPARED.get(layers)
-    if prepared is not None and prepared.signature == key:
+    if prepared is not None and unchanged(prepared.fingerprint, found):
         return prepared
     dims = model_dims(layers[0])
     problem = dims if isinstance(dims, str) else next((p for p in (layer_problem(l, dims, dtype) for l in layers) if p), None)
     if problem:
-        prepared = Prepared(key, problem)
+        prepared = Prepared(found, problem)
     else:
         args = (LayerArgs * len(layers))()
         keep = []
         for layer_arg, layer in zip(args, layers):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            layer_arg.input_norm, layer_arg.post_norm = norm_args(layer.input_layernorm), norm_args(layer.post_attention_layernorm)
-            layer_arg.q_norm, layer_arg.k_norm = norm_args(attn.q_norm), norm_args(attn.k_norm)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+            layer_arg.input_norm, layer_arg.post_norm, layer_arg.q_norm, layer_arg.k_norm = map(norm_args, norms)
             layer_arg.qkv, layer_arg.o, layer_arg.gate_up, layer_arg.down = map(linear_args, linears)
             keep += [t for lin in linears for t in (lin.packed, lin.packed_bias, lin.scales)]
-        prepared = Prepared(key, None, dims, args, tuple(keep))
+            keep += [norm.weight.detach() for norm in norms if getattr(norm, "weight", None) is not None]
+        prepared = Prepared(found, None, dims, args, tuple(keep))
     PREPARED[layers] = prepared
     return prepared
 
 
-def unsupported(layers, x: Tensor, cache) -> str | None:
+def unsupported(layers: nn.ModuleList, x: Tensor, cache) -> str | None:
     """Why `run_layers_cpu` would return None for this forward (None: it runs it)."""
-    if not isinstance(layers, nn.Module) or not len(layers):
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
         return "no layers in an nn.ModuleList"
-    problem = forward_problem(x, cache)
-    if problem is None and (cache.k.shape[0] < len(layers) or cache.k.shape[1] != x.shape[0]):
-        problem = f"a cache of {cache.k.shape[0]} layers x {cache.k.shape[1]} rows for {len(layers)} x {x.shape[0]}"
-    return problem or prepare(layers, x.dtype).problem
+    return tensor_problem(x) or cache_problem(cache, x, len(layers)) or prepare(layers, x.dtype).problem
 
 
 def run_layers_cpu(
@@ -217,17 +254,20 @@ def run_layers_cpu(
     prepared = PREPARED[layers]
     dims = prepared.dims
     B, T, _ = x.shape
+    if inv_freq.shape != (dims.Dh // 2,):
+        raise ValueError(f"inv_freq {tuple(inv_freq.shape)} for head_dim {dims.Dh}")
     x = x.contiguous()
     out = torch.empty_like(x)  # [B, T, D]
-    positions = positions.to(torch.int64).contiguous()  # [B, T]
+    positions = positions.to("cpu", torch.int64).expand(B, T).contiguous()  # [B, T]
     lengths = cache.lengths.contiguous()  # [B]
     if mask is not None:
-        mask = mask.expand(B, T, -1).contiguous()  # [B, T, W]
-    inv_freq = inv_freq.float().contiguous()  # [Dh / 2]
+        mask = mask.to("cpu", torch.bool).expand(B, T, -1).contiguous()  # [B, T, W]
+    inv_freq = inv_freq.to("cpu", torch.float32).contiguous()  # [Dh / 2]
     s_layer, s_row, s_head, s_slot, _ = cache.k.stride()
     stack = StackArgs(
         B, T, dims.D, dims.H, dims.Hkv, dims.Dh, dims.I, x.dtype == torch.bfloat16, torch.get_num_threads(),
-        positions.data_ptr(), lengths.data_ptr(), None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[-1],
+        positions.data_ptr(), lengths.data_ptr(), None if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.shape[-1],
         window or 0, inv_freq.data_ptr(), rope_attention_factor, cache.k.data_ptr(), cache.v.data_ptr(),
         s_layer, s_row, s_head, s_slot, cache.k.shape[3],
     )
@@ -237,3 +277,22 @@ def run_layers_cpu(
         raise UserError(f"sequence would exceed the KV cache of {cache.max_len} slots (context too long)")
     cache.lengths += T
     return out
+
+
+def norm_and_logits(norm: nn.Module, lm_head: nn.Module, x: Tensor, logits_at: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """(hidden [B, T, D], float32 logits [B, T, V], or [B, 1, V] at logits_at [B]) of x [B, T, D], as
+    LlamaModel.forward computes them, or None where the C code does not cover them (an unpacked lm_head:
+    kernels="library"). The norm per row in C (the layers' code); the logits straight from the
+    kernel's float32 sums, neither rounded to bfloat16 nor converted by PyTorch: on a busy 2-core CPU,
+    converting a bfloat16 row of 49,152 logits ran on OpenMP threads and waited milliseconds for one."""
+    if tensor_problem(x) or getattr(lm_head, "packed", None) is None or isinstance(norm, nn.Identity) or norm_problem(
+        norm, x.shape[-1], x.dtype
+    ):
+        return None
+    x = x.contiguous()
+    hidden = torch.empty_like(x)  # [B, T, D]
+    cpu_gemm.library().specdec_rms_norm(x.data_ptr(), hidden.data_ptr(), x.shape[:-1].numel(), x.shape[-1],
+                                        norm.weight.data_ptr(), norm.eps, x.dtype == torch.bfloat16)
+    h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+    logits = cpu_gemm.gemm(h, lm_head.packed, lm_head.packed_bias, lm_head.out_features, lm_head.scales, out_dtype=torch.float32)
+    return hidden, logits

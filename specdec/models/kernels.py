@@ -152,11 +152,14 @@ def kernel_path(model: nn.Module) -> KernelPath:
                                                  "visible keys in fixed blocks and chunks")
     if p.device.type == "cuda":
         return KernelPath("cublas", False, f"cuBLAS + SDPA + torch.compile'd elementwise ops, {p.dtype}: algorithms picked per shape")
-    from specdec.models import cpu_gemm
+    from specdec.models import cpu_gemm, cpu_layer
 
     packed = getattr(layers[0].self_attn.o_proj, "packed", None) is not None
     if packed:
-        return KernelPath("cpu-exact", True, f"specdec C kernels ({cpu_gemm.build_status()['isa']}), {p.dtype}: fixed order per row")
+        stack = getattr(model, "layers", None)
+        problem = cpu_layer.prepare(stack, p.dtype).problem if isinstance(stack, nn.ModuleList) else "no layer stack"
+        glue = "each forward's layers in one C call" if problem is None else f"PyTorch glue between the C kernels ({problem})"
+        return KernelPath("cpu-exact", True, f"specdec C kernels ({cpu_gemm.build_status()['isa']}), {p.dtype}: fixed order per row; {glue}")
     return KernelPath("mkl", False, f"PyTorch CPU matmul (MKL) + SDPA, {p.dtype}: blocking picked per shape")
 
 

@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache, write_kv
 from specdec.models.linear import Linear
-from specdec.models import cpu_attention, fused, kernels
+from specdec.models import cpu_attention, cpu_layer, fused, kernels
 from specdec.models.rope import build_rope, rope_cos_sin
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -236,6 +236,10 @@ def run_layers(
         x = kernels.run_layers_exact(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
         cache.lengths += x.shape[1]
         return x
+    if cache is not None and x.device.type == "cpu":  # every layer in one C call, where it covers them (cpu_layer.py)
+        out = cpu_layer.run_layers_cpu(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
+        if out is not None:
+            return out
     cos, sin = rope_cos_sin(positions, inv_freq, rope_attention_factor, x.dtype)
     if cache is None:
         slots, attn_mask = None, causal_mask(positions, window)
@@ -284,6 +288,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(tokens)  # [B, T, D]
         x = run_layers(self.layers, x, positions, cache, mask, self.inv_freq, self.rope_attention_factor, self.config.sliding_window)
         exact = len(self.layers) > 0 and kernels.runs_triton(self.layers[0], x.device, x.dtype)
+        head = None if exact else cpu_layer.norm_and_logits(self.norm, self.lm_head, x, logits_at)  # the CPU's C path
+        if head is not None:
+            return ModelOutput(logits=head[1], hidden=head[0])
         hidden = kernels.norm_exact(self.norm, x) if exact else self.norm(x)  # [B, T, D]
         h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
         return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden)
