@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from conftest import DEVICE, seeded_generator
 from specdec.config import SamplingParams
 from specdec.errors import UserError
-from specdec.sampling import RowSampling, keep_likely, logits_to_probs, sample, select_threshold, uniforms
+from specdec.sampling import RowSampling, keep_likely, logits_to_probs, sample, select_threshold, topk_in_slices, topk_wide, uniforms
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a distribution whose kept sets are easy to work out by hand
 ALPHA = 1e-3
@@ -275,6 +275,22 @@ def test_a_max_top_k_promise_changes_nothing_but_the_cost():
     kept = [b for b, p in enumerate(ROW_PARAMS) if p.top_k == 0]
     without_top_k.max_top_k = 0  # no row uses top-k: skipped
     assert torch.equal(logits_to_probs(logits[kept], without_top_k), unknown[kept])
+
+
+@pytest.mark.parametrize("V", [100, 4096, 4097, 49152, 50001])
+@pytest.mark.parametrize("k", [1, 4, 10])
+@pytest.mark.parametrize("split", ["slices of 1024", "slices of 37", "topk_wide"])
+def test_a_topk_in_slices_finds_the_same_values_as_torch_topk(V, k, split):
+    """Values bit for bit, indices pointing at them, largest first; with ties (rounded logits) and a
+    vocabulary that is not a multiple of the slice (padding must never be picked)."""
+    x = (4 * torch.randn(3, 2, V, generator=seeded_generator(V + k), device=DEVICE)).round()  # many ties
+    x[0, 0] = -1e30  # a row of equal, very negative values: the -inf padding must still never be picked
+    chunk = {"slices of 1024": 1024, "slices of 37": 37}.get(split)
+    values, index = topk_wide(x, k) if chunk is None else topk_in_slices(x, k, chunk)
+    assert torch.equal(values, x.topk(k, dim=-1).values)
+    assert index.max() < V and torch.equal(x.gather(-1, index), values)
+    assert (index.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct entries
+    assert (values[..., :-1] >= values[..., 1:]).all()
 
 
 # ---------------------------------------------------------------- agreement with the old sort-based filters

@@ -26,6 +26,7 @@ from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.models.medusa import MedusaHeads, load_medusa_heads, read_config
+from specdec.sampling import topk_wide
 from specdec.verify import TreeSpec
 
 # 12 nodes, for a CPU: verifying 13 tokens reads the target's weights once, like 1 token, but costs
@@ -126,7 +127,7 @@ class MedusaDrafter:
         shape = self.shape(gamma)  # breadth-first: the nodes up to a depth are a prefix
         N = shape.width
         logits = self.heads(batch.draft)  # [B, K, Vd]
-        ranked = logits.topk(self.top, dim=-1).indices  # [B, K, R]
+        ranked = topk_wide(logits, self.top)[1]  # [B, K, R]
         picks = ranked[:, self.node_head[:N], self.node_rank[:N]]  # [B, N] draft-vocabulary indices
         parents = self.parents[:N].expand(batch.capacity, N)
         return Proposal(tokens=self.heads.d2t[picks], tree=TreeSpec(parents, None, shape.depth, self.fan_out))
