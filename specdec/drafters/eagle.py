@@ -120,8 +120,8 @@ class EagleDrafter:
         forwards the bookkeeping runs compiled on CUDA (fused.run_compiled): dozens of tiny operations per level."""
         cfg, cache = self.tree, batch.draft.cache
         base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
-        lm_head, d2t = self.head.lm_head.weight, self.head.d2t
-        cands = fused.run_compiled(root_children, root_feature, lm_head, d2t, cfg.branch)
+        head, d2t = self.head, self.head.d2t
+        cands = fused.run_compiled(root_children, root_feature, head.logits(root_feature), d2t, cfg.branch)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1
         root_pos = batch.length - 1
@@ -129,7 +129,7 @@ class EagleDrafter:
             frontier = fused.run_compiled(choose_frontier, cands.scores, cands, level, min(cfg.frontier, cands.scores.shape[1]))
             new_feats = self.head.features(frontier.features, frontier.tokens, root_pos[:, None] + (level - 2), cache,
                                            mask=frontier.ancestors[:, -frontier.chosen.shape[1]:])  # [B, F, D]
-            cands = fused.run_compiled(add_children, new_feats, cands, frontier, lm_head, d2t, cfg.branch, level)
+            cands = fused.run_compiled(add_children, new_feats, head.logits(new_feats), cands, frontier, d2t, cfg.branch, level)
         cache.lengths.copy_(base)  # the tree's entries are scratch
         return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)
 
@@ -158,14 +158,11 @@ class Frontier:
     ancestors: Tensor  # [B, E, E] the entries' ancestor sets, the F new entries last
 
 
-def draft_log_probs(features: Tensor, lm_head: Tensor) -> Tensor:
-    """The head's draft-vocabulary log-probabilities [..., Vd] from features [..., D]."""
-    return torch.nn.functional.linear(features, lm_head).float().log_softmax(-1)
-
-
-def root_children(root_feature: Tensor, lm_head: Tensor, d2t: Tensor, branch: int) -> Candidates:
-    """The first level: the root's `branch` most likely tokens."""
-    score, pick = topk_wide(draft_log_probs(root_feature, lm_head), branch)  # [B, K]
+def root_children(root_feature: Tensor, logits: Tensor, d2t: Tensor, branch: int) -> Candidates:
+    """The first level: the root's `branch` most likely tokens (logits [B, Vd]: the head's, of root_feature [B, D]).
+    The head's logits are computed outside (EagleHead.logits): on a CPU through the C kernels' packed
+    weights, which a functional linear here would bypass (single-threaded MKL took 3.8 ms a level)."""
+    score, pick = topk_wide(logits.log_softmax(-1), branch)  # [B, K]
     B, D = root_feature.shape
     return Candidates(d2t[pick], score, torch.full_like(pick, -1), torch.ones_like(pick),
                       root_feature[:, None].expand(-1, branch, -1), torch.full_like(pick, -1),
@@ -189,16 +186,16 @@ def choose_frontier(scores: Tensor, cands: Candidates, level: int, F: int) -> Fr
     return Frontier(chosen, cands.tokens[rows, chosen], cands.features[rows, chosen], ancestors)
 
 
-def add_children(new_feats: Tensor, cands: Candidates, frontier: Frontier, lm_head: Tensor, d2t: Tensor, branch: int,
-                 level: int) -> Candidates:
+def add_children(new_feats: Tensor, logits: Tensor, cands: Candidates, frontier: Frontier, d2t: Tensor, branch: int,
+                  level: int) -> Candidates:
     """Mark the frontier as expanded (head-cache entries E0..E-1) and add each one's `branch` most likely
-    children (new_feats [B, F, D]: the head's features of the frontier)."""
+    children (new_feats [B, F, D]: the head's features of the frontier; logits [B, F, Vd]: their draft logits)."""
     B, F = frontier.chosen.shape
     E = frontier.ancestors.shape[1]
     rows = torch.arange(B, device=new_feats.device)[:, None]
     entry = cands.entry.clone()
     entry[rows, frontier.chosen] = torch.arange(E - F, E, device=new_feats.device).expand(B, F)
-    child_score, child_pick = topk_wide(draft_log_probs(new_feats, lm_head), branch)  # [B, F, K]
+    child_score, child_pick = topk_wide(logits.log_softmax(-1), branch)  # [B, F, K]
     child_score = child_score + cands.scores.gather(1, frontier.chosen)[..., None]
     children = child_pick.flatten(1)  # [B, F*K]
     return Candidates(
