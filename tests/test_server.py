@@ -146,6 +146,13 @@ def test_sampling_with_a_seed_repeats(server):
     assert first["usage"]["completion_tokens"] == 16
 
 
+@pytest.mark.parametrize("extra", [{"seed": (1 << 64) - 1}, {"seed": -(1 << 63)}, {"stop": ["a", "b", "c", "d" * 256]}])
+def test_the_bounds_of_seed_and_stop_are_accepted(server, extra):
+    url, _ = server
+    response = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0.9, **extra})
+    assert response.status_code == 200, response.text
+
+
 def test_stop_strings_cut_the_text_streamed_or_not(server):
     url, _ = server
     body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}
@@ -188,6 +195,11 @@ def test_a_request_done_at_its_first_token_takes_no_step(server):
     ({"prompt": "   "}, 400, "empty"),
     ({"max_tokens": 4}, 422, "prompt"),
     ({"prompt": "cat " * 2000}, 413, "exceeds 4096 bytes"),
+    ({"prompt": "the cat", "stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4 stop strings"),
+    ({"prompt": "the cat", "stop": "x" * 257}, 422, "at most 256 characters"),
+    ({"prompt": "the cat", "seed": 1 << 64}, 422, "seed"),
+    ({"prompt": "the cat", "seed": -(1 << 63) - 1}, 422, "seed"),
+    ({"prompt": "the cat", "logprobs": 2}, 400, "logprobs are not supported"),
 ])
 def test_invalid_requests_get_a_clear_error(server, body, status, words):
     url, _ = server

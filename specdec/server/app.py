@@ -29,7 +29,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.config import SamplingParams
@@ -38,6 +38,8 @@ from specdec.server.policy import BatchCosts, SpecPolicy
 from specdec.server.scheduler import Event, GenerationRequest, QueueFull, Scheduler, ShuttingDown
 
 OPEN_PATHS = ("/health",)
+MAX_STOPS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.25
 
 
@@ -80,12 +82,24 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM: 0 = off
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # any 64-bit value; taken modulo 2**63
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     logprobs: bool | int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        """At most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters (each is searched for in
+        every row's new text at every step)."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
+        if any(len(x) > MAX_STOP_CHARS for x in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return stop
 
 
 class CompletionBody(SamplingFields):
