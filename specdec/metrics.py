@@ -1,8 +1,9 @@
 """Counters of a decode and the rates derived from them (names as in DESIGN.md).
 
 - acceptance rate = accepted / drafted, overall and per draft position;
-- mean accepted length tau = emitted tokens / steps (plain decoding: tau = 1). The prefill forward
-  counts as a step that emits the first token, for every method alike;
+- mean accepted length tau = tokens emitted by decode steps / decode steps (plain decoding: tau = 1).
+  The prefill forward, which emits the first token and drafts nothing, is in neither count. This is
+  the one definition: `generate --json`, the server's usage, `results.json` and the reports use it;
 - tokens/s = emitted tokens / wall seconds.
 """
 
@@ -11,9 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def mean_accepted_length(decode_emitted: int, decode_steps: int) -> float | None:
+    """tau: tokens per decode step, the prefill left out (see the module docstring)."""
+    return decode_emitted / decode_steps if decode_steps else None
+
+
 @dataclass
 class SpecStats:
     steps: int = 0  # target forwards (prefill included)
+    decode_steps: int = 0  # the steps after the prefill
+    decode_emitted: int = 0  # tokens those steps emitted
     drafted: int = 0  # draft tokens proposed (for a tree: its depth, the longest acceptable run)
     accepted: int = 0
     draft_nodes: int = 0  # draft tokens the target verified (tree nodes; equals drafted for chains)
@@ -24,8 +32,12 @@ class SpecStats:
     draft_s: float = 0.0  # time inside drafter.propose
     target_s: float = 0.0  # time inside target forwards
 
-    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, num_nodes: int | None = None) -> None:
+    def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, num_nodes: int | None = None,
+                    prefill: bool = False) -> None:
         self.steps += 1
+        if not prefill:
+            self.decode_steps += 1
+            self.decode_emitted += num_emitted
         self.drafted += num_drafted
         self.draft_nodes += num_drafted if num_nodes is None else num_nodes
         self.accepted += num_accepted
@@ -42,6 +54,8 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another row's counters (times are not added: rows of a batch share the clock)."""
         self.steps += other.steps
+        self.decode_steps += other.decode_steps
+        self.decode_emitted += other.decode_emitted
         self.drafted += other.drafted
         self.draft_nodes += other.draft_nodes
         self.accepted += other.accepted
@@ -63,7 +77,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return self.emitted / self.steps if self.steps else None
+        return mean_accepted_length(self.decode_emitted, self.decode_steps)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -72,6 +86,8 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {
             "steps": self.steps,
+            "decode_steps": self.decode_steps,
+            "decode_emitted": self.decode_emitted,
             "drafted": self.drafted,
             "draft_nodes": self.draft_nodes,
             "accepted": self.accepted,

@@ -395,7 +395,7 @@ class Stepper:
                     row.text = text
                     self.batch.finish(row, "stop")
             row.generated += new
-            row.stats.record_step(drafted, accepted, len(new), nodes)
+            row.stats.record_step(drafted, accepted, len(new), nodes, prefill=row.stats.steps == 0)  # a row's first step is its prefill
             if not row.finished and FINISH_CODES[finish] is not None:
                 row.finish_reason = FINISH_CODES[finish]
             steps.append(RowStep(row, new, drafted, accepted))

@@ -99,4 +99,6 @@ def test_stats_are_consistent(models):
     assert s.accepted <= s.drafted
     assert sum(s.accepted_per_position) == s.accepted and sum(s.drafted_per_position) == s.drafted
     assert s.emitted == s.accepted + s.steps  # every step emits accepted + 1
-    assert s.mean_accepted_length == pytest.approx(s.emitted / s.steps)
+    rows = len(PROMPTS)  # each row's prefill emits its first token and is not a decode step
+    assert (s.decode_steps, s.decode_emitted) == (s.steps - rows, s.emitted - rows)
+    assert s.mean_accepted_length == pytest.approx((s.emitted - rows) / (s.steps - rows))

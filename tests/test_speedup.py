@@ -60,7 +60,7 @@ def test_pool_per_position_weights_by_counts():
 
 def test_summarize_acceptance_and_estimates():
     # two prompts; each: 5 steps (1 prefill + 4 decode), 8 drafted, 4 accepted, 9 emitted
-    stats = {"steps": 5, "drafted": 8, "accepted": 4, "emitted": 9, "draft_s": 0.04,
+    stats = {"steps": 5, "decode_steps": 4, "drafted": 8, "accepted": 4, "emitted": 9, "decode_emitted": 8, "draft_s": 0.04,
              "drafted_per_position": [4, 4], "accepted_per_position": [3, 1]}
     records = [record("specdec/none", "a", 10), record("specdec/none", "b", 10),
                record("specdec/ngram/2", "a", 12, stats=stats), record("specdec/ngram/2", "b", 14, stats=stats)]

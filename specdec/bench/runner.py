@@ -41,6 +41,7 @@ from specdec.models import load_model
 from specdec.models import cpu_gemm
 from specdec.models.kernels import kernel_path
 from specdec.models.loading import DEFAULT_MODEL, default_gguf_path
+from specdec.metrics import mean_accepted_length
 
 PLAIN = "specdec/none"
 
@@ -334,12 +335,11 @@ def acceptance_summary(method: Method, stats: list[dict], calibration: dict) -> 
     """Acceptance, tau, measured c and r, and both estimated speedups for one specdec method."""
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
-    decode_steps = sum(s["steps"] - 1 for s in stats)  # the prefill step drafts nothing
-    emitted_after_prefill = sum(s["emitted"] - 1 for s in stats)
+    decode_steps = sum(s["decode_steps"] for s in stats)  # the prefill drafts nothing
     ratios = {int(k): v for k, v in calibration["verify_ratio"].items()}
     t1 = calibration["forward_s"]["1"]
     alpha = accepted / drafted if drafted else None
-    tau = emitted_after_prefill / decode_steps if decode_steps else None
+    tau = mean_accepted_length(sum(s["decode_emitted"] for s in stats), decode_steps)
     drafted_per_step = drafted / decode_steps if decode_steps else 0.0
     nodes_per_step = sum(s.get("draft_nodes", s["drafted"]) for s in stats) / decode_steps if decode_steps else 0.0
     draft_s = sum(s["draft_s"] for s in stats)

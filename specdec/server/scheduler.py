@@ -119,7 +119,8 @@ class Serving:
 
 
 def usage_of(serving: Serving) -> dict:
-    """The request's OpenAI usage, with its speculation counters (the prefill counts as a step)."""
+    """The request's OpenAI usage, with its speculation counters: `steps` counts the prefill, the mean
+    accepted length does not (specdec/metrics.py)."""
     row = serving.row
     s, prompt, completion = row.stats, len(row.request.prompt), len(row.generated)
     return {
