@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from specdec.errors import UserError
+from specdec.errors import UserError, first_line
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -232,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as e:
+        import torch
+
+        if not isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+            raise
+        where = "host" if isinstance(e, MemoryError) else "GPU"
+        print(f"specdec: error: out of {where} memory ({first_line(e) or type(e).__name__}); try a smaller model, "
+              "batch, --max-new-tokens or dtype", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("specdec: interrupted", file=sys.stderr)
         return 130

@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import DEVICE, tiny_pair
+from conftest import DEVICE, build_hf, save_hf, tiny_pair
+from specdec import cli
 from specdec.cli import first_difference, main
 
 # The default model on the test device, in float32 (on CUDA `--dtype auto` would pick bfloat16, whose
@@ -47,6 +49,52 @@ def test_bad_input_is_one_clear_line(capsys, args, message):
     assert code == 2
     assert err.startswith("specdec: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def broken_checkpoint(tmp_path, kind: str):
+    """A tiny HF folder with one tensor dropped, or cut to the wrong width; or a GGUF file that is not one."""
+    from safetensors.torch import load_file, save_file
+
+    if kind == "not-gguf":
+        path = tmp_path / "model.gguf"
+        path.write_bytes(b"not a GGUF file at all" * 10)
+        return path
+    folder = save_hf(build_hf(), tmp_path / "broken")
+    weights = next(folder.glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = "model.layers.0.mlp.down_proj.weight"
+    if kind == "missing":
+        del state[name]
+    elif kind == "misshapen":
+        state[name] = state[name][:, :3].contiguous()
+    else:  # "corrupt": a header that promises more bytes than the file has
+        weights.write_bytes(weights.read_bytes()[:1000])
+        return folder
+    save_file(state, str(weights))
+    return folder
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "is missing from the checkpoint"),
+    ("misshapen", "layers.0.mlp.down_proj.weight is [64, 3], the config implies [64, 128]"),
+    ("corrupt", "is not a readable safetensors file"),
+    ("not-gguf", "is not a readable GGUF model"),
+])
+def test_a_broken_checkpoint_is_one_clear_line(capsys, tmp_path, kind, message):
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(broken_checkpoint(tmp_path, kind)), "--device", "cpu")
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("specdec: error: ")
+
+
+@pytest.mark.parametrize("error, where", [(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), "GPU"),
+                                          (MemoryError(), "host")])
+def test_running_out_of_memory_is_one_clear_line(capsys, monkeypatch, error, where):
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(cli, "run_generate", fail)
+    code, _, err = run_cli(capsys, "generate", "hi")
+    assert code == 3 and f"out of {where} memory" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow

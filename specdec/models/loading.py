@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.errors import UserError
+from specdec.errors import UserError, first_line
 from specdec.paths import cache_root
 from specdec.models.kernels import CHOICES as KERNEL_CHOICES, use_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
@@ -112,8 +112,13 @@ def gguf_to_folder(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"specdec: dequantising {path.name} once into {folder} ...", file=sys.stderr)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ImportError as e:
+        raise UserError(f"reading {path.name} needs the gguf package (pip install gguf): {first_line(e)}") from None
+    except Exception as e:  # a truncated or foreign file fails anywhere in the GGUF reader, with any exception
+        raise UserError(f"{path} is not a readable GGUF model ({type(e).__name__}: {first_line(e)})") from None
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(hf).__name__]
@@ -154,8 +159,20 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{folder} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except Exception as e:  # safetensors raises its own SafetensorError for a corrupt header or body
+            raise UserError(f"{f} is not a readable safetensors file ({type(e).__name__}: {first_line(e)})") from None
     return state
+
+
+def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """UserError naming the checkpoint's tensors whose shapes differ from what the config implies."""
+    wrong = [f"{k} is {list(state[k].shape)}, the config implies {list(v.shape)}"
+             for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise UserError(f"the checkpoint does not match its config.json: {'; '.join(wrong[:3])}{more}")
 
 
 def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
@@ -163,10 +180,16 @@ def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: 
     """A native model from HF-named weights (q/k/v and gate/up are fused here)."""
     with torch.device("meta"):
         model = LlamaModel(config)
-    state = fuse_hf_weights(hf_state, config)
+    try:
+        state = fuse_hf_weights(hf_state, config)
+    except KeyError as e:
+        raise UserError(f"weight {e.args[0]!r} is missing from the checkpoint") from None
+    except RuntimeError as e:  # torch.cat of q/k/v or gate/up pieces of the wrong widths
+        raise UserError(f"the checkpoint does not match its config.json: {first_line(e)}") from None
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise UserError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+    check_shapes(state, model.state_dict())
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
