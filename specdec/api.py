@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from specdec.config import SamplingParams, SpecConfig
 from specdec.drafters import DrafterOptions
 from specdec.engine import GenerateOutput, SpecEngine
@@ -21,6 +23,37 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+# Loaded models (by name) and engines (by target, drafter and options) that `generate` reuses across
+# calls: an engine holds its drafter's heads and its CUDA graphs, which take seconds to rebuild. A
+# cached engine keeps its target alive; `clear_cache()` lets them go.
+MODELS: OrderedDict[str, object] = OrderedDict()
+ENGINES: OrderedDict[tuple, SpecEngine] = OrderedDict()
+MAX_MODELS, MAX_ENGINES = 2, 4
+
+
+def clear_cache() -> None:
+    """Forget the models and engines `generate` kept (their memory is freed once nothing else holds them)."""
+    MODELS.clear()
+    ENGINES.clear()
+
+
+def remember(cache: OrderedDict, key, build, limit: int):
+    """cache[key], built by build() on a miss; the least recently used entry beyond `limit` is dropped."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    cache[key] = value = build()
+    while len(cache) > limit:
+        cache.popitem(last=False)
+    return value
+
+
+def identity(x) -> object:
+    """A cache key part: a name as itself, a loaded model by identity (the cached engine keeps it alive,
+    so its id cannot be reused while the entry exists)."""
+    return x if x is None or isinstance(x, str) else ("object", id(x))
+
+
 def generate(
     prompts: str | list[str] | list[list[int]],
     model="default",
@@ -35,11 +68,14 @@ def generate(
     ngram_min: int = 1,
 ) -> GenerateOutput:
     """Generate for one prompt or a batch. `model` and `draft_model` are names/paths or loaded models;
-    prompts are strings (chat template applied unless chat=False) or lists of token ids."""
-    target = load_model(model) if isinstance(model, str) else model
+    prompts are strings (chat template applied unless chat=False) or lists of token ids. Models loaded
+    by name and the engine (drafter heads, CUDA graphs) are kept for the next call with the same
+    model, drafter and options (see clear_cache)."""
+    target = remember(MODELS, model, lambda: load_model(model), MAX_MODELS) if isinstance(model, str) else model
     config = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
     options = DrafterOptions(draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min)
-    engine = SpecEngine(target, drafter, options)
+    key = (identity(target), drafter, identity(draft_model), ngram_max, ngram_min)
+    engine = remember(ENGINES, key, lambda: SpecEngine(target, drafter, options), MAX_ENGINES)
     if isinstance(prompts, str):
         prompts = [prompts]
     if prompts and all(isinstance(p, str) for p in prompts):

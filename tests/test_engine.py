@@ -102,3 +102,25 @@ def test_stats_are_consistent(models):
     rows = len(PROMPTS)  # each row's prefill emits its first token and is not a decode step
     assert (s.decode_steps, s.decode_emitted) == (s.steps - rows, s.emitted - rows)
     assert s.mean_accepted_length == pytest.approx((s.emitted - rows) / (s.steps - rows))
+
+
+def test_generate_reuses_its_model_and_engine_across_calls(tmp_path, monkeypatch):
+    """specdec.generate keeps the engine (drafter, graphs) for the same model, drafter and options, and a
+    model loaded by name; a different drafter gets its own engine; clear_cache lets them go."""
+    from specdec import api
+
+    tiny_pair(tmp_path, "llama", seed=4, logit_scale=8.0)  # saves the folder llama-4
+    folder = str(tmp_path / "llama-4")
+    api.clear_cache()
+    loads, engines = [], []
+    load = api.load_model
+    monkeypatch.setattr(api, "load_model", lambda name: loads.append(name) or load(name, dtype="float32", device=DEVICE))
+    init = SpecEngine.__init__
+    monkeypatch.setattr(SpecEngine, "__init__", lambda self, *a, **k: engines.append(a[1]) or init(self, *a, **k))
+    first = specdec.generate(PROMPTS, model=folder, drafter="ngram", max_new_tokens=8)
+    again = specdec.generate(PROMPTS, model=folder, drafter="ngram", max_new_tokens=8)
+    other = specdec.generate(PROMPTS, model=folder, drafter="none", max_new_tokens=8)
+    assert loads == [folder] and engines == ["ngram", "none"]
+    assert [r.token_ids for r in first.rows] == [r.token_ids for r in again.rows] == [r.token_ids for r in other.rows]
+    api.clear_cache()
+    assert not api.MODELS and not api.ENGINES
