@@ -351,6 +351,12 @@ def test_metrics_counters_move(server):
     assert moved("specdec_inter_token_latency_seconds_count") == 19
     assert after["specdec_requests_running"] == 0 and after["specdec_requests_waiting"] == 0
     assert after["specdec_tokens_per_second"] > 0 and after["process_resident_memory_bytes"] > 0
+    vllm = f'{{model_name="{MODEL}"}}'  # vLLM's names, for dashboards built for vLLM
+    assert moved(f"vllm:spec_decode_num_draft_tokens_total{vllm}") == moved("specdec_drafted_tokens_total")
+    assert moved(f"vllm:spec_decode_num_accepted_tokens_total{vllm}") == moved("specdec_accepted_tokens_total")
+    assert 0 < moved(f"vllm:spec_decode_num_drafts_total{vllm}") <= moved("specdec_steps_total")  # one row: one draft a step at most
+    first = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="0"}}'
+    assert first in after and moved(first) == moved('specdec_accepted_per_position_total{position="1"}')
 
 
 # ---- speculation policies --------------------------------------------------------------------

@@ -179,7 +179,8 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        text = scheduler.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.policy.name)
+        text = scheduler.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.policy.name,
+                                        settings.model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     if settings.admin:

@@ -6,6 +6,12 @@ token: a step that hands a request n tokens after a gap of g seconds records g /
 speculation shows up as shorter inter-token latency). Time to first token runs from the request's
 arrival at the server to its first token. Updated from the decode thread, read from the event loop:
 one lock guards everything.
+
+vLLM's speculative-decoding counters are exposed too, under vLLM's names and labels, so dashboards
+built for vLLM work unchanged: `vllm:spec_decode_num_drafts_total` (row-steps that drafted),
+`..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and
+`..._num_accepted_tokens_per_pos_total{position="0"}` (0-based, as vLLM counts), each with a
+`model_name` label.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class ServerMetrics:
         self.requests = {status: 0 for status in REQUEST_STATUSES}
         self.prompt_tokens = self.generation_tokens = 0
         self.steps = self.drafted = self.accepted = 0
+        self.drafts = 0  # row-steps that drafted at least one token (vLLM's num_drafts)
         self.drafted_per_position: list[int] = []
         self.accepted_per_position: list[int] = []
         self.gamma = 0  # chosen for the last step
@@ -90,6 +97,7 @@ class ServerMetrics:
             self.gamma = gamma
             self.batch_size.observe(batch_size)
             for d, a in zip(drafted, accepted):
+                self.drafts += d > 0
                 self.drafted += d
                 self.accepted += a
                 grow = d - len(self.drafted_per_position)
@@ -116,7 +124,7 @@ class ServerMetrics:
         window = min(RATE_WINDOW_S, time.monotonic() - self.started)
         return sum(n for _, n in self.recent) / window if window > 0 else 0.0
 
-    def render(self, running: int, waiting: int, policy: str) -> str:
+    def render(self, running: int, waiting: int, policy: str, model_name: str = "") -> str:
         with self.lock:
             acceptance = self.accepted / self.drafted if self.drafted else 0.0
             lines = [
@@ -148,11 +156,26 @@ class ServerMetrics:
                 *self.itl.render("specdec_inter_token_latency_seconds", "Seconds per output token after the first."),
                 *self.latency.render("specdec_request_latency_seconds", "Arrival to last token of finished requests."),
                 *self.batch_size.render("specdec_batch_size", "Rows in the batch at each step."),
+                *self.render_vllm(model_name),
             ]
         rss = resident_memory_bytes()
         if rss is not None:
             lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
         return "\n".join(lines) + "\n"
+
+
+    def render_vllm(self, model_name: str) -> list[str]:
+        """The same counters under vLLM's names (call under the lock)."""
+        label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines = []
+        for name, about, value in (("drafts", "Row-steps that drafted.", self.drafts),
+                                   ("draft_tokens", "Draft tokens proposed.", self.drafted),
+                                   ("accepted_tokens", "Draft tokens accepted.", self.accepted)):
+            lines += [f"# HELP vllm:spec_decode_num_{name}_total {about}", f"# TYPE vllm:spec_decode_num_{name}_total counter",
+                      f"vllm:spec_decode_num_{name}_total{{{label}}} {value}"]
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        lines += [f"# HELP {name} Draft tokens accepted at each draft position (0-based).", f"# TYPE {name} counter"]
+        return lines + [f'{name}{{{label},position="{i}"}} {n}' for i, n in enumerate(self.accepted_per_position)]
 
 
 def counter(name: str, about: str, value: float) -> list[str]:
