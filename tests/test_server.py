@@ -146,6 +146,15 @@ def test_sampling_with_a_seed_repeats(server):
     assert first["usage"]["completion_tokens"] == 16
 
 
+def test_a_request_can_opt_out_of_speculation(server):
+    url, _ = server
+    body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}
+    on, off = post(url, "/v1/completions", body).json(), post(url, "/v1/completions", {**body, "speculate": False}).json()
+    assert on["usage"]["speculation"]["drafted"] > 0
+    assert off["usage"]["speculation"]["drafted"] == 0 and off["usage"]["speculation"]["mean_accepted_length"] == 1.0
+    assert off["choices"][0]["text"] == on["choices"][0]["text"]  # greedy: the same tokens either way
+
+
 @pytest.mark.parametrize("extra", [{"seed": (1 << 64) - 1}, {"seed": -(1 << 63)}, {"stop": ["a", "b", "c", "d" * 256]}])
 def test_the_bounds_of_seed_and_stop_are_accepted(server, extra):
     url, _ = server
@@ -237,14 +246,18 @@ def test_full_queue_answers_429(model):
 
 def test_concurrent_requests_equal_single_greedy_decodes(model, server):
     """Rows join and leave a batch of 4 mid-flight (6 requests of different lengths), with ngram
-    speculation; each text equals plain decoding of its prompt alone (float32, greedy)."""
+    speculation, every other request opted out of it; each text equals plain decoding of its prompt
+    alone (float32, greedy)."""
     url, _ = server
     lengths = [40, 25, 33, 18, 40, 29]
     before = metrics(url)
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0, "speculate": i % 2 == 0}
+              for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        replies = list(pool.map(lambda pl: post(url, "/v1/completions", {"prompt": pl[0], "max_tokens": pl[1], "temperature": 0}),
-                                zip(PROMPTS, lengths)))
+        replies = list(pool.map(lambda body: post(url, "/v1/completions", body), bodies))
     assert [r.status_code for r in replies] == [200] * len(PROMPTS)
+    assert all(r.json()["usage"]["speculation"]["drafted"] == 0 for r in replies[1::2])
+    assert any(r.json()["usage"]["speculation"]["drafted"] > 0 for r in replies[::2])
     texts = [r.json()["choices"][0]["text"] for r in replies]
     assert texts == [reference_text(model, p, n) for p, n in zip(PROMPTS, lengths)]
     after = metrics(url)

@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM: 0 = off
+    speculate: bool = True  # an extension: false opts this request out of speculation (usage still counts)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # any 64-bit value; taken modulo 2**63
     stop: str | list[str] | None = None
     stream: bool = False
@@ -269,7 +270,8 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     sampling = sampling_params(body)  # fields already range-checked by the body model
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job = GenerationRequest(ids, max_tokens, sampling, stop, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    job = GenerationRequest(ids, max_tokens, sampling, stop, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                            speculate=body.speculate)
     try:
         scheduler.submit(job)
     except QueueFull as e:

@@ -74,6 +74,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]
     emit: Callable[[Event], None]  # called from the decode thread; must not block
+    speculate: bool = True  # False: this row never drafts, whatever the policy picks for the batch
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     done: bool = False
@@ -286,9 +287,12 @@ class Scheduler:
 
     def step(self) -> None:
         slots = sorted(self.running)
-        gamma = self.policy.choose([self.running[s].acceptance for s in slots])
+        drafting = [s for s in slots if self.running[s].request.speculate]
+        gamma = self.policy.choose([self.running[s].acceptance for s in drafting]) if drafting else 0
         rooms = {s: self.running[s].request.max_tokens - len(self.running[s].row.generated) - 1 for s in slots}
         self.batch.gamma.fill_(gamma)
+        if len(drafting) < len(slots):
+            self.batch.gamma[[s for s in slots if not self.running[s].request.speculate]] = 0
         stepper = self.stepper_for(slots[-1] + 1)
         try:
             stepper.launch(gamma)
@@ -298,7 +302,8 @@ class Scheduler:
             stepper.in_flight.clear()
             reports = self.step_rows_alone(stepper, slots, gamma)
         for report in reports:
-            budgets = [max(0, min(gamma, rooms[rs.row.slot])) for rs in report.rows]
+            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0, rooms[rs.row.slot]))
+                       for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
             self.policy.observe_step(budgets, accepted, report.draft_s)
             self.metrics.observe_step(len(report.rows), gamma, [rs.drafted for rs in report.rows], accepted)
