@@ -20,7 +20,7 @@ from specdec import SpecConfig, SpecEngine
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, create_app
 from specdec.server.metrics import parse_metrics
-from specdec.server.policy import Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
 
 KEY = "test-key"
@@ -394,6 +394,31 @@ def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
     assert policy.choose(rows_accepting(1, 1)) == 1  # the second draft is always rejected: draft one
     assert policy.choose(rows_accepting(1, 32)) == 0  # compute-bound: a draft token costs a full token
     assert policy.choose(rows_accepting(0, 1)) == 0  # nothing is ever accepted: drafting cannot pay
+
+
+def test_cost_policy_explores_after_a_run_of_gamma_0():
+    """A draft cost that looks prohibitive (a slow first step, say) would keep `cost` at gamma 0 forever;
+    every EXPLORE_EVERY-th step drafts anyway, so the estimates are measured again."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    policy.draft_s_per_row, policy.draft_samples = 100.0, 1
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(2 * EXPLORE_EVERY)]
+    assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert chosen[EXPLORE_EVERY - 1] == 3  # the best gamma > 0
+
+
+def test_cost_policy_decides_from_measured_step_times():
+    """Predicted from forward times, speculating pays alone; measured whole steps can say otherwise."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    rows = rows_accepting(3, 1)
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(1, 0, 2.0)  # every step takes twice its forward (host work, say)
+    assert policy.overhead[1] == pytest.approx(2.0)
+    assert policy.step_seconds(1, 2) == pytest.approx(2 * policy.predicted_step_s(1, 2))  # unmeasured: scaled
+    assert policy.choose(rows) == 3  # the same overhead everywhere changes nothing
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(1, 3, 20.0)  # but drafting steps are slow in practice
+    assert policy.step_seconds(1, 3) == 20.0  # measured
+    assert policy.choose(rows) == 0
 
 
 def test_fixed_policies():

@@ -9,19 +9,27 @@ becomes compute-bound and every rejected draft token is work taken from other re
 - `batch-threshold`: gamma while at most `threshold` requests run, 0 above (vLLM's
   `speculative_disable_by_batch_size`);
 - `cost`: each step, the gamma in 0..gamma_max that maximises expected tokens per second of the batch,
-      sum_b E_b(g) / (T(B, g + 1) + g > 0 ? B * d : 0),
-  where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py),
-  T(B, k) the measured seconds of one target forward over k tokens per row at batch size B
-  (interpolated between measured batch sizes and k) and d the measured draft seconds per row-step.
+      sum_b E_b(g) / S(B, g),
+  where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py)
+  and S(B, g) the seconds of a whole step of B rows drafting g tokens each. S is measured: the median
+  of the last steps of that shape, once there are STEP_SAMPLES of them. Until then it is predicted
+  from the forward times measured at start, T(B, g + 1) (interpolated between measured batch sizes
+  and k), plus B * d for g > 0 (d: measured draft seconds per row-step), scaled by how much the
+  steps measured so far at this batch size exceeded their prediction (host work, bookkeeping).
   alpha_bj blends the row's own acceptance with a server-wide running estimate. Gamma 0 wins when
   speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
   so E_b reflects what the drafter really delivers.
+
+  It explores: after EXPLORE_EVERY steps in a row at gamma 0, one step drafts at the best gamma > 0,
+  so estimates that a slow first step (graph capture) or a cold start made too pessimistic are
+  measured again instead of locking the server at gamma 0.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +40,8 @@ from specdec.errors import UserError
 
 SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
 MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+STEP_SAMPLES = 5  # steps of one shape before its measured time replaces the prediction
+EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again
 
 
 @dataclass
@@ -129,6 +139,9 @@ class SpecPolicy:
     overall: Acceptance = field(init=False)
     draft_s_per_row: float = 0.0  # running mean of drafter seconds per row-step
     draft_samples: int = 0
+    step_s: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, g) -> last whole-step seconds
+    overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
+    idle_steps: int = 0  # consecutive `cost` choices of gamma 0
 
     def __post_init__(self) -> None:
         check_policy(self.name, self.gamma, self.threshold)
@@ -146,12 +159,33 @@ class SpecPolicy:
             return 0
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
-        return max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+        best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+        self.idle_steps = self.idle_steps + 1 if best == 0 else 0
+        if self.idle_steps >= EXPLORE_EVERY:
+            self.idle_steps = 0
+            return max(range(1, self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+        return best
 
     def tokens_per_s(self, alphas: list[list[float]], g: int) -> float:
-        B = len(alphas)
-        seconds = self.costs.forward_s(B, g + 1) + (B * self.draft_s_per_row if g else 0.0)
-        return sum(expected_tokens(a, g) for a in alphas) / seconds
+        return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(len(alphas), g)
+
+    def predicted_step_s(self, B: int, g: int) -> float:
+        return self.costs.forward_s(B, g + 1) + (B * self.draft_s_per_row if g else 0.0)
+
+    def step_seconds(self, B: int, g: int) -> float:
+        """S(B, g): measured where STEP_SAMPLES steps of this shape ran, else predicted (module docstring)."""
+        seen = self.step_s.get((B, g))
+        if seen is not None and len(seen) >= STEP_SAMPLES:
+            return statistics.median(seen)
+        return self.predicted_step_s(B, g) * self.overhead.get(B, 1.0)
+
+    def observe_step_time(self, B: int, g: int, seconds: float) -> None:
+        """The wall time of a step of B rows that drafted g tokens each (cost only: it needs predictions)."""
+        if self.costs is None:
+            return
+        self.step_s.setdefault((B, g), deque(maxlen=4 * STEP_SAMPLES)).append(seconds)
+        ratios = [statistics.median(v) / self.predicted_step_s(b, k) for (b, k), v in self.step_s.items() if b == B]
+        self.overhead[B] = statistics.median(ratios)
 
     def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float) -> None:
         self.overall.decay(self.decay)

@@ -294,9 +294,11 @@ class Scheduler:
         if len(drafting) < len(slots):
             self.batch.gamma[[s for s in slots if not self.running[s].request.speculate]] = 0
         stepper = self.stepper_for(slots[-1] + 1)
+        start = time.perf_counter()
         try:
             stepper.launch(gamma)
             reports = [stepper.read()]
+            self.policy.observe_step_time(len(slots), gamma, time.perf_counter() - start)
         except Exception:
             log.exception("batched step failed; retrying row by row")
             stepper.in_flight.clear()
