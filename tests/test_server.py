@@ -15,13 +15,14 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from conftest import DEVICE, tiny_folder_with_tokenizer
+from conftest import DEVICE, tiny_folder_with_tokenizer, tiny_pair
 from specdec import SpecConfig, SpecEngine
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, create_app
 from specdec.server.metrics import parse_metrics
 from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
+from test_step import make_drafter
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -187,6 +188,23 @@ def test_a_request_done_at_its_first_token_takes_no_step(server):
     assert after["specdec_steps_total"] == before["specdec_steps_total"]  # the prefill gave its only token
     finished = 'specdec_requests_total{status="finished"}'
     assert after[finished] == before[finished] + 1
+
+
+@pytest.mark.parametrize("name", ["draft_model", "eagle", "medusa", "lookahead", "layer_skip"])
+def test_every_drafter_serves_concurrent_greedy_requests_through_the_openai_client(model, tmp_path, name):
+    """Every stateful drafter (ngram is the module's server) joins rows of different lengths mid-flight;
+    each text equals plain decoding of its prompt alone, and the drafter really drafted."""
+    from openai import OpenAI
+
+    draft = tiny_pair(tmp_path, "llama", seed=1, logit_scale=8.0, num_hidden_layers=1)[0]
+    drafter = build_drafter(name, model) if name == "layer_skip" else make_drafter(name, model, draft)
+    lengths = [24, 12, 30, 17, 9]
+    with serving(make_scheduler(model, drafter=drafter)) as (url, _), ThreadPoolExecutor(len(lengths)) as pool:
+        client = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        replies = list(pool.map(lambda pn: client.completions.create(model=MODEL, prompt=pn[0], max_tokens=pn[1], temperature=0),
+                                zip(PROMPTS, lengths)))
+    assert [r.choices[0].text for r in replies] == [reference_text(model, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert sum(r.usage.model_extra["speculation"]["drafted"] for r in replies) > 0
 
 
 # ---- validation and back-pressure ------------------------------------------------------------

@@ -99,7 +99,7 @@ class LookaheadDrafter:
         parents = torch.full((B, N), -1, dtype=torch.long)
         num_nodes = torch.zeros(B, dtype=torch.long)
         active = batch.active.tolist()
-        for slot, row in batch.draft.items():
+        for slot, row in rows_in_view(batch):
             row.window_nodes = []
             if not active[slot]:
                 continue
@@ -136,7 +136,7 @@ class LookaheadDrafter:
     def commit(self, batch, verified: Verified) -> None:
         argmax = verified.logits.argmax(-1).cpu()  # [B, T] the target's next token after each block entry
         emitted = verified.kept.tolist()
-        for slot, row in batch.draft.items():
+        for slot, row in rows_in_view(batch):
             window_nodes, row.window_nodes = row.window_nodes, []  # this step's only: a step may skip proposing
             if not emitted[slot]:
                 continue
@@ -167,6 +167,13 @@ class LookaheadDrafter:
             if None not in gram:
                 # N-1 tokens of the trajectory; key = the first, and one more token per extra level
                 add_to_pool(row.pool, tuple(gram), self.config.pool_per_key)
+
+
+def rows_in_view(batch) -> list[tuple[int, RowState]]:
+    """(slot, state) of the rows `batch` covers. The state dict is shared by a batch and its views of
+    the first n slots (the server's buckets); a slot freed earlier keeps its state until a new row
+    joins there, and may lie beyond a smaller view."""
+    return [(slot, row) for slot, row in batch.draft.items() if slot < batch.capacity]
 
 
 def row_tokens(batch, slot: int) -> list[int]:
