@@ -141,8 +141,12 @@ class RowBatch:
         return rows
 
     def release(self, slot: int) -> Row:
-        """Free a slot (finished, cancelled or failed): it drafts and emits nothing from the next step on."""
+        """Free a slot (finished, cancelled or failed): it drafts and emits nothing from the next step on.
+        Host-side drafter state (a dict keyed by slot, see head_of) goes with it; device state stays
+        until a new row joins the slot, unread meanwhile."""
         self.active[slot] = False
+        if isinstance(self.draft, dict):
+            self.draft.pop(slot, None)
         return self.rows.pop(slot)
 
     def finish(self, row: Row, reason: str) -> None:
