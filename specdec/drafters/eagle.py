@@ -45,7 +45,11 @@ class EagleTreeConfig:
     depth: int = 5  # levels grown (the engine's gamma caps it)
     branch: int = 4  # children taken per expanded node
     frontier: int = 4  # nodes expanded per level
-    total_tokens: int = 10  # nodes verified per step (best of 4-15 on a 2-core CPU: benchmarks/eagle_tree_sweep.py)
+    # Nodes verified per step; GPU_TOTAL_TOKENS on a GPU. 10 was the best of 4-15 on a 2-core CPU before the
+    # C layer path made verify blocks compute-bound there (docs/design.md); a sweep since (float32, 4 gsm8k-eval
+    # prompts x 128 tokens) gave depth 3: 3-6 nodes 1.14-1.17x plain, 10 nodes 1.07x; depth 5: 4-10 nodes
+    # 0.95-1.02x: within that sweep's noise, so unchanged.
+    total_tokens: int = 10
 
     def candidates(self, depth: int) -> int:
         """Nodes a tree of `depth` levels chooses from (as EagleDrafter.grow builds them)."""
