@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define PARALLEL_WORK (1 << 16) /* multiply-adds below which one thread is faster than waking others */
 
 /* cpu_threads.c */
@@ -28,21 +30,14 @@ void specdec_parallel(int tasks, int threads, void (*fn)(void *ctx, int task), v
 float *specdec_scratch(size_t n);
 
 static inline float load_one(const void *p, size_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void store_one(void *p, size_t i, float f, int bf16) {
-    if (!bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
         ((float *)p)[i] = f;
-        return;
-    }
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    ((uint16_t *)p)[i] = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -63,6 +63,7 @@ from specdec.paths import cache_root
 
 NR = 16  # panel width, as in skinny_gemm.c
 SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "cpu_attention.c", "cpu_layer.c", "cpu_threads.c")]
+HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # part of the cache key, not of the command line
 FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fPIC", "-shared"]
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in skinny_gemm.c
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
@@ -101,7 +102,7 @@ def compiler_version(compiler: str) -> str:
 
 
 def cache_key(compiler: str, flags: list[str], cpu: str) -> str:
-    parts = [s.read_bytes() for s in SOURCES]
+    parts = [s.read_bytes() for s in SOURCES + HEADERS]
     parts += [compiler.encode(), compiler_version(compiler).encode(), " ".join(flags).encode(), cpu.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

@@ -44,6 +44,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define PARALLEL_WORK (1 << 16) /* attention multiply-adds below which one thread is faster, as cpu_attention.c */
 
 /* skinny_gemm.c, cpu_attention.c, cpu_threads.c */
@@ -83,20 +85,6 @@ typedef struct {
     int64_t s_layer, s_row, s_head, s_slot, S;
 } stack_args;
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, NaN to the quiet NaN: PyTorch's float -> bfloat16 (as skinny_gemm.c). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* f as the activation dtype holds it: rounded to bfloat16 (kept in a float), or f itself. */
 static inline float as_act(float f, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }

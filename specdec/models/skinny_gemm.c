@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 /* cpu_threads.c */
 void specdec_parallel(int tasks, int threads, void (*fn)(void *ctx, int task), void *ctx);
 float *specdec_scratch(size_t n);
@@ -49,20 +51,6 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
  * instead of six: about 18 % faster decoding of a bfloat16 weight on one core. The portable code
  * reads the same layout through BF16_COLUMN. */
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, NaN to the quiet NaN: PyTorch's float -> bfloat16. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
