@@ -30,7 +30,7 @@ from specdec.costs import copy_bandwidth, measure_forward_times, verify_ratios, 
 from specdec.config import SpecConfig  # noqa: E402
 from specdec.engine import SpecEngine  # noqa: E402
 from specdec.models.eagle import EagleConfig, EagleHead  # noqa: E402
-from specdec.models.llama import LlamaModel, ModelConfig  # noqa: E402
+from specdec.models.llama import ModelConfig, random_llama  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
     model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -39,22 +39,6 @@ LLAMA3_8B = ModelConfig(
                   "original_max_position_embeddings": 8192},
     max_position_embeddings=131072,
 )
-
-
-def random_model(config: ModelConfig, device: torch.device) -> LlamaModel:
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaModel(config)
-    finally:
-        torch.set_default_dtype(default)
-    model.to(device)  # buffers built on the CPU (rope frequencies) follow
-    for p in model.parameters():  # small weights keep a deep random net's activations finite in bf16
-        if p.dim() == 2:
-            p.data.normal_(0, 0.02)
-    return model.eval()
 
 
 def decode_rate(model, prompt: list[int], short: int = 32, long: int = 160) -> float:
@@ -90,7 +74,7 @@ def draft_step_seconds(head: EagleHead, device: torch.device, repeats: int = 20)
 
 
 def measure_8b(device: torch.device, out: Path) -> dict:
-    model = random_model(LLAMA3_8B, device)
+    model = random_llama(LLAMA3_8B, device)
     prompt = torch.randint(0, LLAMA3_8B.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     weight_bytes, bandwidth = weight_bytes_per_forward(model), copy_bandwidth(device)
     rate = decode_rate(model, prompt)

@@ -46,11 +46,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu import LLAMA3_8B, decode_rate, random_model  # noqa: E402
+from gpu import LLAMA3_8B, decode_rate  # noqa: E402
 from specdec.costs import copy_bandwidth, weight_bytes_per_forward  # noqa: E402
 from specdec.graphs import GraphedModel  # noqa: E402
-from specdec.models.kernels import kernel_path, use_kernels  # noqa: E402
-from specdec.models.llama import ModelConfig, build_attention_mask  # noqa: E402
+from specdec.models.kernels import block_equals_steps, kernel_path, use_kernels  # noqa: E402
+from specdec.models.llama import ModelConfig, build_attention_mask, random_llama  # noqa: E402
 
 DEFAULT = ModelConfig(
     model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -420,25 +420,6 @@ def graph_forward_ms(model, ks=KS, repeats: int = 20) -> dict[int, float]:
     return times
 
 
-def block_equals_steps(model, k: int = 4, contexts=(64, CONTEXT)) -> bool:
-    """A k-token block's logits and hidden states bitwise equal k single-token steps after a prefix of
-    each length in `contexts` (eager, dynamic cache). tests/test_triton_ops.py's power test runs the same
-    comparison on the library path (default-model shape) and expects it to fail."""
-    device = next(model.parameters()).device
-    ok = True
-    for context in contexts:
-        ids = torch.randint(0, model.config.vocab_size, (1, context + k), device=device,
-                            generator=torch.Generator(device).manual_seed(3))
-        cache = model.new_cache(1, context + 2 * k)
-        model(ids[:, :context], torch.arange(context, device=device)[None], cache)
-        block = model(ids[:, context:], torch.arange(context, context + k, device=device)[None], cache)
-        cache.trim(torch.tensor([context], device=device))
-        for i in range(k):
-            step = model(ids[:, context + i:context + i + 1], torch.tensor([[context + i]], device=device), cache)
-            ok &= torch.equal(step.logits[0, 0], block.logits[0, i]) and torch.equal(step.hidden[0, 0], block.hidden[0, i])
-    return bool(ok)
-
-
 def kernel_profile(model, top: int = 12) -> dict:
     """Device time by kernel name of one eager decode forward (1 token after CONTEXT): where time goes."""
     from collections import defaultdict
@@ -472,7 +453,7 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
     faster by more than 0.3 % are kept ("supported_entries": the TUNED_GEMM lines the forward supports)
     and measured together."""
     o = ops()
-    model = random_model(c, device)
+    model = random_llama(c, device)
     floor_ms = weight_bytes_per_forward(model) / bandwidth * 1e3
     prompt = torch.randint(0, c.vocab_size, (CONTEXT,), generator=torch.Generator().manual_seed(1)).tolist()
     out = {"floor_ms": floor_ms, "weight_bytes": weight_bytes_per_forward(model)}
@@ -507,7 +488,7 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
                      "forwards_per_s": 1e3 / ms[1], "pct_of_floor": 100 * floor_ms / ms[1]}
             if variant in ("exact", "library", "exact-tuned"):
                 entry["engine_tokens_per_s"] = decode_rate(model, prompt)
-                entry["block_equals_steps"] = block_equals_steps(model)
+                entry["block_equals_steps"] = block_equals_steps(model, contexts=(64, CONTEXT))
                 entry["profile"] = kernel_profile(model)
         except Exception as e:  # keep the other variants' results
             entry = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu import LLAMA3_8B, random_model  # noqa: E402
+from gpu import LLAMA3_8B  # noqa: E402
+from specdec.models.llama import random_llama  # noqa: E402
 from specdec.graphs import GraphedModel  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1)
     args = ap.parse_args()
     device = torch.device("cuda")
-    model = random_model(LLAMA3_8B, device)
+    model = random_llama(LLAMA3_8B, device)
     cache = model.new_cache(1, 1024, static=True)
     ids = torch.randint(0, 1000, (1, 512), device=device)
     model(ids, torch.arange(512, device=device)[None], cache)

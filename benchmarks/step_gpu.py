@@ -81,10 +81,11 @@ def step_profile(model, prompts: list[list[int]], max_new: int) -> dict:
 def eagle_level_cost_8b(tau: float, depth: int) -> dict:
     """An 8B-shaped EAGLE head's tree level (head features over a frontier of 4, draft logits, top-4), in a CUDA
     graph, against the 8B target's graphed forward: c per level, and the ESTIMATED speedup with tau."""
-    from benchmarks.gpu import LLAMA3_8B, random_model
+    from benchmarks.gpu import LLAMA3_8B
+    from specdec.models.llama import random_llama
 
     device = torch.device("cuda")
-    model = random_model(LLAMA3_8B, device)
+    model = random_llama(LLAMA3_8B, device)
     prompt = torch.randint(0, LLAMA3_8B.vocab_size, (512,), generator=torch.Generator().manual_seed(1)).tolist()
     times = measure_forward_times(model, prompt, [1, 2, 4, 8, 11, 16], repeats=10, graphs=True)
     head = EagleHead(EagleConfig.for_target(LLAMA3_8B, draft_vocab_size=32000)).to(device=device, dtype=torch.bfloat16)

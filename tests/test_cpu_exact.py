@@ -294,3 +294,18 @@ def test_the_portable_build_is_exact_too(fresh_build):
         out = cpu_attention.attend(q, k, v, mask)
         for t in range(11):
             assert torch.equal(cpu_attention.attend(q[:, :, t : t + 1], k, v, mask[:, :, t : t + 1])[:, :, 0], out[:, :, t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_forward_check_on_a_random_model_of_given_shape(dtype):
+    """kernels.block_equals_steps (what benchmarks/kernels.py reports) on models.llama.random_llama: true
+    on the exact C path, in float32 and bfloat16, at a context past the kernels' first blocks."""
+    from specdec.models.kernels import block_equals_steps, use_kernels
+    from specdec.models.llama import ModelConfig, random_llama
+
+    c = ModelConfig(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                    max_position_embeddings=512)
+    model = random_llama(c, "cpu", dtype)
+    assert use_kernels(model, "exact").name == "cpu-exact"
+    assert block_equals_steps(model, k=5, contexts=(8, 300))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, TINY, build_hf, save_hf
 from specdec.errors import UserError
 from specdec.models import load_model
-from specdec.models.kernels import kernel_path, triton_problem
+from specdec.models.kernels import block_equals_steps, kernel_path, triton_problem
 from specdec.models.llama import build_attention_mask
 
 INTERPRET = os.environ.get("SPECDEC_TRITON_INTERPRET") == "1"
@@ -468,42 +468,13 @@ def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
 
 
 def random_llama(dtype: torch.dtype, **dims):
-    """A native Llama with random weights (normal, std 0.02) built on DEVICE."""
-    from specdec.models.llama import LlamaModel, ModelConfig
+    """A native Llama with random weights (normal, std 0.02) built on DEVICE; tiny unless dims say otherwise."""
+    from specdec.models.llama import ModelConfig, random_llama as build
 
     c = ModelConfig(**{**dict(model_type="llama", vocab_size=TINY["vocab_size"], hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                               rope_scaling=None, max_position_embeddings=512), **dims})
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(DEVICE):
-            model = LlamaModel(c)
-    finally:
-        torch.set_default_dtype(default)
-    model.to(DEVICE)  # buffers built on the CPU (rope frequencies) follow
-    for p in model.parameters():
-        if p.dim() == 2:
-            p.data.normal_(0, 0.02)
-    return model.eval()
-
-
-def block_equals_steps(model, k: int = 4, contexts=(64, 512)) -> bool:
-    """benchmarks/kernels.py's whole-forward check: a k-token block's logits and hidden states bitwise
-    equal k single-token steps after a prefix of each length in `contexts` (eager, dynamic cache)."""
-    ok = True
-    for context in contexts:
-        ids = torch.randint(0, model.config.vocab_size, (1, context + k), device=DEVICE,
-                            generator=torch.Generator(DEVICE).manual_seed(3))
-        cache = model.new_cache(1, context + 2 * k)
-        model(ids[:, :context], torch.arange(context, device=DEVICE)[None], cache)
-        block = model(ids[:, context:], torch.arange(context, context + k, device=DEVICE)[None], cache)
-        cache.trim(torch.tensor([context], device=DEVICE))
-        for i in range(k):
-            step = model(ids[:, context + i:context + i + 1], torch.tensor([[context + i]], device=DEVICE), cache)
-            ok &= torch.equal(step.logits[0, 0], block.logits[0, i]) and torch.equal(step.hidden[0, 0], block.hidden[0, i])
-    return bool(ok)
+    return build(c, DEVICE, dtype)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the library path's variance is cuBLAS/SDPA's, on CUDA")

@@ -163,6 +163,26 @@ def kernel_path(model: nn.Module) -> KernelPath:
     return KernelPath("mkl", False, f"PyTorch CPU matmul (MKL) + SDPA, {p.dtype}: blocking picked per shape")
 
 
+@torch.inference_mode()
+def block_equals_steps(model: nn.Module, k: int = 4, contexts: tuple[int, ...] = (64, 512)) -> bool:
+    """Whether a k-token block's logits and hidden states are bitwise those of k single-token steps, after
+    a prefix of each length in `contexts` (eager, dynamic cache): the property the exact path promises,
+    checked on a whole forward."""
+    device = next(model.parameters()).device
+    ok = True
+    for context in contexts:
+        ids = torch.randint(0, model.config.vocab_size, (1, context + k), device=device,
+                            generator=torch.Generator(device).manual_seed(3))
+        cache = model.new_cache(1, context + 2 * k)
+        model(ids[:, :context], torch.arange(context, device=device)[None], cache)
+        block = model(ids[:, context:], torch.arange(context, context + k, device=device)[None], cache)
+        cache.trim(torch.tensor([context], device=device))
+        for i in range(k):
+            step = model(ids[:, context + i:context + i + 1], torch.tensor([[context + i]], device=device), cache)
+            ok &= torch.equal(step.logits[0, 0], block.logits[0, i]) and torch.equal(step.hidden[0, 0], block.hidden[0, i])
+    return bool(ok)
+
+
 def runs_triton(layer: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a forward of this decoder layer over a KV cache runs the Triton kernels (grad off)."""
     if device.type == "cpu":  # the interpreter, for a model loaded with kernels="exact" (not packed for the C kernels)

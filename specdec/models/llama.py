@@ -294,3 +294,22 @@ class LlamaModel(nn.Module):
         hidden = kernels.norm_exact(self.norm, x) if exact else self.norm(x)  # [B, T, D]
         h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
         return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden)
+
+
+def random_llama(config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LlamaModel:
+    """A native model of `config`'s shape with random weights (matrices normal with std 0.02, which keeps a
+    deep random net's activations finite in bf16), built directly on `device`: for costs and kernel
+    checks at real shapes (8B, 70B) without weight files, never for acceptance."""
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.to(device)  # buffers built on the CPU (rope frequencies) follow
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.data.normal_(0, 0.02)
+    return model.eval()
