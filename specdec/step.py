@@ -229,6 +229,7 @@ class Stepper:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
+        self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
 
     @property
     def device(self) -> torch.device:
@@ -353,7 +354,8 @@ class Stepper:
     def copy_out(self, out: StepOutput, watch: Stopwatch) -> Launched:
         if self.device.type != "cuda":
             return Launched(out.packed.clone(), None, watch, out.record)
-        host = torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
+        spare = self.spare_host.get(tuple(out.packed.shape))
+        host = spare.pop() if spare else torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
         host.copy_(out.packed, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -373,6 +375,8 @@ class Stepper:
         self.times.verify_s += verify_s
         self.times.steps += 1
         report = StepReport(self.absorb(launched.host.tolist()), draft_s, verify_s)
+        if launched.done is not None:  # read: its pinned buffer can take a later step's outcome
+            self.spare_host.setdefault(tuple(launched.host.shape), []).append(launched.host)
         self.times.wait_s += waited - t
         self.times.host_s += time.perf_counter() - waited
         return report
