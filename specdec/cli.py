@@ -140,7 +140,7 @@ def csv(kind):
 
 
 def add_bench_args(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
+    b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, or a .jsonl / .txt file")
     b.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(b)
     b.add_argument("--drafters", type=csv(str), default=("ngram",), help=f"comma-separated: {DRAFTER_HELP}")
@@ -190,7 +190,7 @@ def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
 
 
 def add_analyze_args(a: argparse.ArgumentParser) -> None:
-    a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
+    a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, or a .jsonl / .txt file")
     a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(a)
     add_drafter_args(a)
