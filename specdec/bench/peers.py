@@ -30,9 +30,26 @@ class PeerOutput:
 
 
 def hf_generate_kwargs(sampling: SamplingParams) -> dict:
+    """`generate` settings that draw from the distribution specdec samples (temperature, then top-k, top-p
+    and min-p, the order transformers applies them in). Each is passed even when off, because one left out
+    falls back to the model's or transformers' default (top_k 50). transformers skips top_k 0 and top_p 1 as off,
+    but applies min-p whenever it is not None, so min_p 0 goes as None."""
     if sampling.greedy:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "min_p": sampling.min_p or None}
+
+
+def neutral_generation_config(loaded):
+    """A GenerationConfig with only the special token ids of `loaded` (the model folder's
+    generation_config.json). `generate` fills every setting a call leaves out from the model's own config,
+    so a shipped temperature, top_p, min_p or repetition_penalty would otherwise change what the peer
+    samples, and a repetition penalty would change even its greedy output."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=loaded.bos_token_id, eos_token_id=loaded.eos_token_id, pad_token_id=loaded.pad_token_id
+    )
 
 
 class HFPeer:
@@ -42,6 +59,7 @@ class HFPeer:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        self.model.generation_config = neutral_generation_config(self.model.generation_config)
         self.device = device
         self.assistant = None
         if assistant_folder is not None:
@@ -102,9 +120,16 @@ class LlamaCppPeer:
         llm.reset()
         t = time.perf_counter()
         tokens: list[int] = []
-        params = {"temp": 0.0, "top_k": 1} if sampling.greedy else {"temp": sampling.temperature, "top_p": sampling.top_p}
+        params = {"temp": 0.0, "top_k": 1} if sampling.greedy else llama_cpp_sampling(sampling)
         for token in llm.generate(prompt, reset=True, **params):
             tokens.append(token)
             if token == llm.token_eos() or len(tokens) >= max_new_tokens:
                 break
         return PeerOutput(token_ids=tokens, wall_s=time.perf_counter() - t)
+
+
+def llama_cpp_sampling(sampling: SamplingParams) -> dict:
+    """llama-cpp-python `generate` settings for a sampled run. Each is passed because its defaults are not
+    off (top_k 40, top_p 0.95, min_p 0.05); llama.cpp treats top_k 0, top_p 1 and min_p 0 as off, as specdec
+    does. It applies the temperature after the filters, so with top-p or min-p on the kept set can differ."""
+    return {"temp": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p}
