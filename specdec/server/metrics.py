@@ -12,6 +12,10 @@ built for vLLM work unchanged: `vllm:spec_decode_num_drafts_total` (row-steps th
 `..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and
 `..._num_accepted_tokens_per_pos_total{position="0"}` (0-based, as vLLM counts), each with a
 `model_name` label.
+
+Memory, read at scrape time: `process_resident_memory_bytes` (Linux) and, once the process uses CUDA,
+`specdec_cuda_memory_allocated_bytes` and `specdec_cuda_memory_reserved_bytes` (torch's caching
+allocator) with a `device` label per device holding memory; absent on the CPU.
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ class ServerMetrics:
         rss = resident_memory_bytes()
         if rss is not None:
             lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
+        lines += cuda_memory_lines(read_cuda_memory())
         return "\n".join(lines) + "\n"
 
 
@@ -197,6 +202,36 @@ def resident_memory_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    device: int  # CUDA device index
+    allocated: int  # bytes in tensors (torch.cuda.memory_allocated)
+    reserved: int  # bytes held by torch's caching allocator (torch.cuda.memory_reserved)
+
+
+def read_cuda_memory() -> list[CudaMemory]:
+    """Torch's CUDA allocator now, per device this process holds memory on; [] when CUDA is not in use."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return []
+    devices = [CudaMemory(d, torch.cuda.memory_allocated(d), torch.cuda.memory_reserved(d))
+               for d in range(torch.cuda.device_count())]
+    return [m for m in devices if m.reserved]
+
+
+def cuda_memory_lines(devices: list[CudaMemory]) -> list[str]:
+    """Gauges specdec_cuda_memory_allocated_bytes and ..._reserved_bytes, labelled by device; none without devices."""
+    lines = []
+    for kind, about in (("allocated", "Bytes in tensors (torch.cuda.memory_allocated)."),
+                        ("reserved", "Bytes held by the caching allocator (torch.cuda.memory_reserved).")):
+        name = f"specdec_cuda_memory_{kind}_bytes"
+        if devices:
+            lines += [f"# HELP {name} {about}", f"# TYPE {name} gauge",
+                      *(f'{name}{{device="{m.device}"}} {getattr(m, kind)}' for m in devices)]
+    return lines
 
 
 def parse_metrics(text: str) -> dict[str, float]:
