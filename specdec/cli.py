@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     g.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare token ids (greedy only)")
+    add_config_arg(g)
 
     b = sub.add_parser("bench", help="measure drafters x gammas against plain decoding and peers, side by side")
     add_bench_args(b)
@@ -117,11 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--max-gamma", type=int, default=8, help="largest gamma the estimate considers")
     u.add_argument("--out", default="runs/tune/layer-skip.json", help="JSON for `--layer-skip-config`")
 
-    d = sub.add_parser("demo", help="the main job: a short bench on the default model (ngram, gammas 1-8, transformers peer)")
+    v = sub.add_parser("advise", help="which drafter to use, if any: a measured matrix, decision tree, verdict and config")
+    add_advise_args(v)
+
+    d = sub.add_parser("demo", help="the main job: one GSM8K answer with its stats, then a short `advise` on the default model")
     add_model_args(d)
-    d.add_argument("--limit", type=int, default=5, help="GSM8K eval prompts")
-    d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--out", default="runs/demo", help="folder for results.json, report.md and plots")
+    d.add_argument("--limit", type=int, default=4, help="gsm8k-eval prompts advise measures")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--budget-s", type=float, default=110.0, help="advise's time budget in seconds")
+    d.add_argument("--out", default="runs/demo", help="folder for advise's pages")
 
     from specdec.server.cli import add_server_commands
 
@@ -189,6 +194,56 @@ def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
         p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
 
 
+def add_advise_args(v: argparse.ArgumentParser) -> None:
+    v.add_argument("--task", default="gsm8k-eval", help="your prompts (.jsonl / .txt) or a built-in set: gsm8k-eval, mixed, heldout")
+    v.add_argument("--limit", type=int, default=10, help="the most prompts measured (the budget may stop sooner)")
+    add_model_args(v)
+    v.add_argument("--drafters", type=csv(str), default=None, help="drafters to compare (default: every one that runs for this target)")
+    v.add_argument("--peers", type=csv(str), default=("hf",), help="peers measured alongside: hf, llamacpp (empty for none)")
+    v.add_argument("--concurrency", type=csv(int), default=(1, 8, 32), help="concurrent requests to advise for (batch sizes measured)")
+    v.add_argument("--budget-s", type=float, default=None, help="seconds to spend measuring (default 300 on a CPU, 60 on a GPU)")
+    v.add_argument("--threshold-ms", type=float, default=100.0, help="decode time per answer below which speculation is not worth it")
+    v.add_argument("--max-new-tokens", type=int, default=128)
+    add_sampling_args(v)
+    v.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    v.add_argument("--out", default="runs/advise", help="folder for summary.md, decision-tree.md/png, verdict.md, config.json")
+    v.add_argument("--json", action="store_true", help="print the measurements and config as JSON instead of the tables")
+
+
+CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "ngram_max", "ngram_min", "window",
+               "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold", "draft_model",
+               "eagle_head", "medusa_heads", "layers")
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="a JSON of flags, e.g. the config.json `specdec advise` writes; flags on the command line win")
+
+
+def apply_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> argparse.Namespace:
+    """Parse again with --config's settings as the command's defaults, so explicit flags still win.
+    Keys the command does not take (serve's spec_policy for generate) are left to the commands that do."""
+    path = getattr(args, "config", None)
+    if path is None:
+        return args
+    try:
+        settings = json.loads(open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise UserError(f"--config {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--config {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"--config {path}: expected a JSON object of flags")
+    unknown = sorted(set(settings) - set(CONFIG_KEYS) - {"schema", "advised"})
+    if unknown:
+        raise UserError(f"--config {path}: unknown key(s) {unknown}; known: {', '.join(CONFIG_KEYS)}")
+    command = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+    sub = command.choices[args.command]
+    dests = {a.dest for a in sub._actions}
+    sub.set_defaults(**{k: v for k, v in settings.items() if k in dests})
+    return parser.parse_args(argv)
+
+
 def add_analyze_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, or a .jsonl / .txt file")
     a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
@@ -204,8 +259,10 @@ def add_analyze_args(a: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        args = apply_config(parser, args, argv)
         set_threads(args.threads)
         if args.command == "generate":
             return run_generate(args)
@@ -223,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.tune import run_tune
 
             return run_tune(args)
+        if args.command == "advise":
+            from specdec.advise import run_advise
+
+            return run_advise(args)
         if args.command == "demo":
             return run_demo(args)
         if args.command in ("serve", "bench-serve"):
@@ -413,21 +474,24 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """The README's main job: a short GSM8K bench of prompt lookup against plain decoding and transformers."""
+    """The README's main job: one GSM8K answer with its stats, then a short `advise` on a few held-out
+    GSM8K prompts: the matrix, the verdict and the best drafter on this machine."""
     from specdec.bench.tasks import load_tasks
+    from specdec.drafters.shipped import SHIPPED
 
     task = load_tasks("gsm8k-eval", limit=1)[0]
+    drafter = "eagle" if args.model == "default" and (SHIPPED / "eagle").is_dir() else "ngram"
     print(f"GSM8K question: {task.prompt}\n", flush=True)
     code = main(["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                 "--kernels", args.kernels,
-                 "--drafter", "ngram", "--gamma", "4", "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"])
+                 "--kernels", args.kernels, "--drafter", drafter, "--gamma", "3",
+                 "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"])
     if code:
         return code
-    print(f"\nBench: {args.limit} GSM8K prompts, ngram drafter at gammas 1-8 vs plain decoding and transformers\n", flush=True)
-    return main(["bench", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
-                 "--kernels", args.kernels,
-                 "--device", args.device, "--drafters", "ngram", "--gammas", "1,2,3,4,6,8", "--peers", "hf,hf-pld",
-                 "--pld-gammas", "4", "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
+    print(f"\nWhich drafter, if any? `specdec advise` on {args.limit} held-out GSM8K prompts, "
+          f"{args.budget_s:.0f} s budget\n", flush=True)
+    return main(["advise", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
+                 "--kernels", args.kernels, "--device", args.device, "--peers", "", "--concurrency", "1,8",
+                 "--budget-s", str(args.budget_s), "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 
 
 if __name__ == "__main__":

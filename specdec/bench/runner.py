@@ -152,16 +152,26 @@ class Runner:
         self.draft = None
         if config.draft_model is not None:
             self.draft = load_draft(config.draft_model, self.target)  # a shared-embedding draft borrows the target's
-        options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
-                                 extra=config.drafter_extra)
-        drafters = {m.drafter: SpecEngine(self.target, m.drafter, options) for m in methods if m.family == "specdec"}
-        self.engines = {m.name: drafters[m.drafter] for m in methods if m.family == "specdec"}  # gammas share graphs
+        self.options = DrafterOptions(draft_model=self.draft, ngram_max=config.ngram_max, ngram_min=config.ngram_min,
+                                      extra=config.drafter_extra)
+        self.by_drafter: dict[str, SpecEngine] = {}
+        self.engines: dict[str, SpecEngine] = {}
+        for m in methods:
+            if m.family == "specdec":
+                self.add(m)
         self.hf = None
         if any(m.family.startswith("hf") for m in methods):
             self.hf = HFPeer(self.target.name, self.dtype, self.device, self.draft.name if self.draft is not None else None)
         self.llama = None
         if any(m.family.startswith("llamacpp") for m in methods):
             self.llama = LlamaCppPeer(gguf_of(config.model), torch.get_num_threads(), context=4096)
+
+    def add(self, method: Method) -> SpecEngine:
+        """The engine of a specdec method: one per drafter, which its gammas share (and its graphs)."""
+        if method.drafter not in self.by_drafter:
+            self.by_drafter[method.drafter] = SpecEngine(self.target, method.drafter, self.options)
+        self.engines[method.name] = self.by_drafter[method.drafter]
+        return self.engines[method.name]
 
     def encode(self, task: Task) -> list[int]:
         return encode_prompt(self.target.tokenizer, task.prompt, chat=self.config.chat)

@@ -14,11 +14,12 @@ SERVE_EXTRA = "pip install 'specdec[serve]'"
 
 
 def add_server_commands(sub) -> None:
-    from specdec.cli import add_model_args, csv
+    from specdec.cli import add_config_arg, add_model_args, csv
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and load-aware speculation")
     add_model_args(s)
     add_speculation_args(s)
+    add_config_arg(s)
     s.add_argument("--spec-policy", default="cost", help="off, on, batch-threshold or cost (default)")
     s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
     s.add_argument("--max-queue", type=int, default=256, help="most requests waiting for the batch; beyond: HTTP 429")

@@ -1,0 +1,331 @@
+"""`advise`'s measurements, within a time budget, on the user's prompts and hardware.
+
+It is a budgeted `specdec bench` (same Runner, records and summaries, bench/runner.py) plus what
+decisions need beyond a bench:
+- rounds: every method runs on one prompt per round, interleaved (A B C A B C ...), and rounds go on
+  while the budget allows (the last round is kept only if it finished). Plain decoding runs twice
+  per round: the second run against the first gives the timing noise of this machine;
+- screening: from the third round on, a configuration whose best prompt is slower than the leader's
+  worst is dropped (it keeps the prompts it has), so the budget goes to the contenders;
+- load: for the configuration the decision tree would pick (and the fastest, if another), rows
+  decoded together at each asked concurrency, plain and speculative, short outputs: throughput
+  ratios per batch size, from which decide.py finds where speculation stops paying;
+- costs: r(k) at the run's context length, c per drafter, the prefill time of a median prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from tqdm import tqdm
+
+from specdec.advise.decide import build_tree
+from specdec.advise.measurements import Measurements, Option
+from specdec.bench.runner import (
+    PLAIN,
+    BenchConfig,
+    Method,
+    RunRecord,
+    Runner,
+    calibrate,
+    environment,
+    label_by_what_runs,
+    median_speed,
+    per_prompt,
+    summarize,
+)
+from specdec.bench.tasks import is_correct, load_tasks
+from specdec.config import SamplingParams, SpecConfig
+from specdec.costs import measure_forward_times, synchronize
+from specdec.drafters import DRAFTERS
+from specdec.errors import UserError
+from specdec.models.loading import DEFAULT_MODEL
+
+AGAIN = "specdec/none/again"  # plain decoding's second run per round: the noise reference
+GAMMAS = {"ngram": (2, 4), "layer_skip": (2, 4), "quantized": (2, 4), "draft_model": (2, 4), "lookahead": (4,),
+          "medusa": (3,), "eagle": (3, 5)}
+LOAD_TOKENS = 32  # new tokens per row when measuring throughput at a batch size
+WARMUP_TOKENS = 16
+CPU_BUDGET_S, GPU_BUDGET_S = 300.0, 60.0
+RESERVE = 0.2  # of the budget, kept for the load and cost measurements after the rounds
+
+
+@dataclass(frozen=True)
+class AdviseConfig:
+    task: str = "gsm8k-eval"
+    limit: int = 10  # the most prompts; the budget may end the rounds sooner
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"
+    drafters: tuple[str, ...] | None = None  # default: every drafter that can run for this target
+    peers: tuple[str, ...] = ("hf",)
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    budget_s: float | None = None  # default: CPU_BUDGET_S on a CPU, GPU_BUDGET_S on a GPU
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    threshold_ms: float = 100.0
+    chat: bool = True
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise UserError(f"--limit must be >= 1, got {self.limit}")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise UserError(f"--budget-s must be > 0, got {self.budget_s}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise UserError(f"--concurrency needs positive numbers of clients, got {list(self.concurrency)}")
+        if self.threshold_ms <= 0:
+            raise UserError(f"--threshold-ms must be > 0, got {self.threshold_ms}")
+        unknown = [d for d in self.drafters or () if d not in DRAFTERS or d == "none"]
+        if unknown:
+            raise UserError(f"unknown drafter(s) {unknown}; choose from {sorted(set(DRAFTERS) - {'none'})}")
+
+
+@dataclass
+class Clock:
+    budget_s: float
+    start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @property
+    def left(self) -> float:
+        return self.budget_s - self.elapsed
+
+
+def plan(drafters: list[str]) -> list[Method]:
+    methods = [Method(PLAIN, "specdec", "none", 0), Method(AGAIN, "specdec", "none", 0)]
+    for d in drafters:
+        methods += [Method(f"specdec/{d}/{g}", "specdec", d, g) for g in GAMMAS.get(d, (4,))]
+    return methods
+
+
+def add_engines(runner: Runner, methods: list[Method], notes: list[str]) -> list[Method]:
+    """Build each drafter's engine; a drafter that cannot run for this target is left out with a note."""
+    kept, failed = [], set()
+    for m in methods:
+        if m.drafter in failed:
+            continue
+        try:
+            runner.add(m)
+            kept.append(m)
+        except UserError as e:
+            failed.add(m.drafter)
+            notes.append(f"{m.drafter}: not measured ({e})")
+    return kept
+
+
+def drafter_memory_mb(engine, target) -> float:
+    """MiB of weights the drafter holds beyond the target's own (shared layers count nothing)."""
+    own = {p.data_ptr() for p in target.parameters()} | {b.data_ptr() for b in target.buffers()}
+    seen: dict[int, int] = {}
+    for value in vars(engine.drafter).values():
+        if isinstance(value, torch.nn.Module):
+            for t in list(value.parameters()) + list(value.buffers()):
+                if t.data_ptr() not in own:
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values()) / 2**20
+
+
+def run_round(runner: Runner, methods: list[Method], task, prompt: list[int], max_new_tokens: int, bar,
+              clock: Clock) -> list[RunRecord] | None:
+    """Every method once on one prompt; None when the budget ran out mid-round (the round is dropped)."""
+    records = []
+    for method in methods:
+        if clock.left <= 0:
+            return None
+        bar.set_postfix_str(method.name)
+        ids, wall, stats = runner.run(method, prompt, max_new_tokens)
+        text = runner.decode(ids)
+        records.append(RunRecord(method=method.name, task_id=task.id, category=task.category, repeat=0,
+                                 num_tokens=len(ids), wall_s=wall, tokens_per_s=len(ids) / wall if wall > 0 else 0.0,
+                                 token_ids=ids, text=text, stats=stats,
+                                 correct=is_correct(text, task.reference) if task.reference else None))
+        bar.n = min(round(clock.elapsed), bar.total)
+        bar.refresh()
+    return records
+
+
+def per_prompt_speedups(records: list[RunRecord], name: str) -> dict[str, float]:
+    mine, base = per_prompt(records, name), per_prompt(records, PLAIN)
+    return {t: median_speed(mine[t]) / median_speed(base[t]) for t in mine if t in base and median_speed(base[t]) > 0}
+
+
+def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) -> list[Method]:
+    """Drop speculative configurations whose best prompt is slower than the leader's worst."""
+    spec = [m for m in methods if m.drafter not in (None, "none")]
+    speeds = {m.name: per_prompt_speedups(records, m.name) for m in spec}
+    speeds = {k: v for k, v in speeds.items() if v}
+    if not speeds:
+        return methods
+    leader = max(speeds, key=lambda k: statistics.median(speeds[k].values()))
+    floor = min(speeds[leader].values())
+    dropped = {k for k, v in speeds.items() if k != leader and max(v.values()) < floor}
+    for name in sorted(dropped):
+        notes.append(f"{name}: dropped after {len(speeds[name])} prompts (every prompt slower than {leader}'s slowest)")
+    return [m for m in methods if m.name not in dropped]
+
+
+def relative_noise(records: list[RunRecord]) -> float:
+    """Timing spread of plain decoding against itself: the median |log(run2 / run1)| over prompts."""
+    ratios = list(per_prompt_speedups(records, AGAIN).values())
+    if not ratios:
+        return 0.0
+    import math
+
+    return math.exp(statistics.median(abs(math.log(r)) for r in ratios)) - 1
+
+
+def throughput(engine, prompts: list[list[int]], sampling: SamplingParams, gamma: int) -> float:
+    """Tokens per second of one batched generate of these rows (LOAD_TOKENS each); on a GPU after one
+    untimed run of the same shapes, which captures their graphs."""
+    spec = SpecConfig(gamma=max(gamma, 1), max_new_tokens=LOAD_TOKENS, sampling=sampling)
+    device = engine.device
+    if device.type == "cuda":
+        engine.generate(prompts, spec)
+    synchronize(device)
+    t = time.perf_counter()
+    out = engine.generate(prompts, spec)
+    synchronize(device)
+    return sum(len(r.token_ids) for r in out.rows) / (time.perf_counter() - t)
+
+
+def measure_load(runner: Runner, options: list[Option], prompts: list[list[int]], concurrency: tuple[int, ...],
+                 sampling: SamplingParams, clock: Clock, notes: list[str]) -> dict[int, float]:
+    """Plain tokens/s per batch size; fills each option's batch_speedup. Stops when the budget does."""
+    plain: dict[int, float] = {}
+    plain_engine = runner.by_drafter["none"]
+    last: tuple[int, float] | None = None  # (rows, seconds) of the previous batch size
+    for rows in sorted(set(concurrency)):
+        predicted = 0.0 if last is None else last[1] * rows / last[0]  # at worst linear in rows
+        if clock.left <= predicted:
+            notes.append(f"load: batch sizes from {rows} rows not measured (the budget would run out)")
+            break
+        t = time.perf_counter()
+        batch = [prompts[i % len(prompts)] for i in range(rows)]
+        plain[rows] = throughput(plain_engine, batch, sampling, 0)
+        for o in options:
+            engine = runner.by_drafter[o.drafter]
+            o.batch_speedup[rows] = throughput(engine, batch, sampling, o.gamma) / plain[rows]
+        last = (rows, time.perf_counter() - t)
+    return plain
+
+
+def option_of(method: Method, summary: dict, records: list[RunRecord], runner: Runner) -> Option:
+    tau, est = summary.get("mean_accepted_length"), summary.get("estimated_speedup_tau")
+    engine = runner.engines[method.name]
+    return Option(
+        name=method.name, drafter=method.drafter, gamma=method.gamma,
+        per_prompt=per_prompt_speedups(records, method.name),
+        tokens_per_s=summary["tokens_per_s"]["median"], alpha=summary.get("acceptance_rate"), tau=tau,
+        c=summary.get("cost_coefficient"), verified_per_step=summary.get("nodes_per_step", 0.0),
+        step_cost=tau / est if tau and est else None, memory_mb=drafter_memory_mb(engine, runner.target),
+        lossless=summary.get("lossless"), options=drafter_settings(engine),
+    )
+
+
+def drafter_settings(engine) -> dict:
+    """The drafter options a configuration ran with that config.json must carry (EAGLE's tree size)."""
+    tree = getattr(engine.drafter, "tree", None)
+    total = getattr(tree, "total_tokens", None)
+    return {"tree_nodes": total} if engine.drafter.name == "eagle" and total else {}
+
+
+def prefill_ms(target, prompts: list[list[int]]) -> float:
+    prompt = sorted(prompts, key=len)[len(prompts) // 2]
+    return measure_forward_times(target, prompt[:1], [max(len(prompt) - 1, 1)], repeats=3)[max(len(prompt) - 1, 1)] * 1e3
+
+
+def default_budget(device: torch.device) -> float:
+    return GPU_BUDGET_S if device.type == "cuda" else CPU_BUDGET_S
+
+
+def candidate_drafters(config: AdviseConfig, device: torch.device) -> list[str]:
+    if config.drafters:
+        return list(config.drafters)
+    return [d for d in GAMMAS if d in DRAFTERS and not (d == "quantized" and device.type != "cpu")]
+
+
+def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
+    """Run the budgeted measurements; see the module docstring."""
+    clock = Clock(config.budget_s or CPU_BUDGET_S)
+    tasks = load_tasks(config.task, config.limit)
+    bench = BenchConfig(task=config.task, limit=config.limit, model=config.model, drafters=(), peers=config.peers,
+                        max_new_tokens=config.max_new_tokens, sampling=config.sampling, dtype=config.dtype,
+                        device=config.device, kernels=config.kernels, chat=config.chat)
+    peers = [Method(p, p) for p in config.peers if p in ("hf", "llamacpp")]
+    runner = Runner(bench, peers)
+    if config.budget_s is None:
+        clock.budget_s = default_budget(runner.device)
+    notes: list[str] = [f"{p}: not run by advise (only hf and llamacpp are)" for p in config.peers
+                        if p not in ("hf", "llamacpp")]
+    methods = add_engines(runner, plan(candidate_drafters(config, runner.device)), notes) + peers
+    methods, relabelled = label_by_what_runs(methods, runner.engines)
+    notes += relabelled
+    prompts = [runner.encode(t) for t in tasks]
+    planned = list(methods)  # screening drops from `methods`; what it dropped keeps its prompts
+
+    for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
+        runner.run(method, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens))
+
+    reserve = RESERVE * clock.budget_s  # load and cost measurements after the rounds
+    records: list[RunRecord] = []
+    round_s = 0.0
+    with tqdm(total=round(clock.budget_s), desc="advise", unit="s", disable=not progress) as bar:
+        for i, (task, prompt) in enumerate(zip(tasks, prompts)):
+            if i and clock.left - reserve < round_s:
+                notes.append(f"rounds: stopped after {i} of {len(tasks)} prompts (budget)")
+                break
+            t = time.perf_counter()
+            done = run_round(runner, methods, task, prompt, config.max_new_tokens, bar, clock)
+            if done is None:
+                notes.append(f"rounds: prompt {i + 1} dropped unfinished (budget)")
+                break
+            records += done
+            round_s = time.perf_counter() - t
+            if i >= 1:
+                methods = screen(methods, records, notes)
+        if not records:
+            raise UserError(f"the budget of {clock.budget_s:.0f} s ended before one prompt was measured; raise --budget-s")
+
+        measured = [m for m in methods if m.family == "specdec" and m.name != AGAIN]
+        calibration = calibrate(runner, prompts, records, measured)
+        greedy = config.sampling.greedy
+        ran = {r.method for r in records}
+        options = [option_of(m, summarize(m, records, calibration, greedy), records, runner)
+                   for m in planned if m.drafter not in (None, "none") and m.name in ran]
+        plain = summarize(planned[0], records, calibration, greedy)
+        m = Measurements(
+            model=config.model, device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            kernels=environment(runner)["kernels"]["name"], task=config.task, greedy=greedy,
+            num_prompts=len({r.task_id for r in records}),
+            plain_tokens_per_s=plain["tokens_per_s"]["median"],
+            output_tokens=statistics.median(r.num_tokens for r in records if r.method == PLAIN),
+            prefill_ms=prefill_ms(runner.target, prompts), threshold_ms=config.threshold_ms,
+            noise=relative_noise(records), options=options, concurrency=list(config.concurrency),
+            budget_s=clock.budget_s, environment=environment(runner), notes=notes,
+        )
+        m.environment["peers"] = {p.name: summarize(p, records, calibration, greedy)["speedup_vs_plain"]["median"]
+                                  for p in peers if any(r.method == p.name for r in records)}
+        bar.set_postfix_str("load")
+        m.batch_plain_tokens_per_s = measure_load(runner, load_options(m), prompts, config.concurrency,
+                                                  config.sampling, clock, notes)
+        bar.n = min(round(clock.elapsed), bar.total)
+        bar.refresh()
+    m.elapsed_s = clock.elapsed
+    return m
+
+
+def load_options(m: Measurements) -> list[Option]:
+    """The configurations whose batch scaling decides: the one the tree picks, and the fastest."""
+    tree = build_tree(replace(m, concurrency=[1]))
+    picks = [tree.recommendation.option] if tree.recommendation and tree.recommendation.option else []
+    best = m.best()
+    if best is not None and best not in picks:
+        picks.append(best)
+    return picks
