@@ -1,5 +1,6 @@
 """`specdec serve`: the OpenAI-compatible API on loopback over a tiny random model, continuous batching,
-validation, back-pressure, cancellation, failure isolation, metrics, shutdown, and the load generator."""
+validation, back-pressure, cancellation, failure isolation, metrics and shutdown (the load generator
+is tested in test_server_bench.py)."""
 
 from __future__ import annotations
 
@@ -492,23 +493,3 @@ def test_importing_specdec_does_not_import_the_server_stack():
     code = "import sys, specdec, specdec.cli; specdec.cli.build_parser(); print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
-
-
-def test_bench_serve_measures_every_level(model, tmp_path):
-    from specdec.server.bench import LoadPlan, run_load, write_report
-
-    costs = measure_batch_costs(model, [1, 2], [1, 2, 3, 4], context=16, repeats=1)
-    scheduler = make_scheduler(model, policy="off", costs=costs)
-    plan = LoadPlan(concurrency=(1, 2), policies=("off", "on", "cost"), requests=3, max_tokens=8, temperature=0.0,
-                    threshold=2)
-    with serving(scheduler, admin=True, costs=costs) as (url, _):
-        health, levels = run_load(url, KEY, PROMPTS, plan)
-    assert [(lv.policy, lv.concurrency) for lv in levels] == [(p, c) for p in plan.policies for c in (1, 2)]
-    assert all(lv.ok == lv.requests == 3 and lv.completion_tokens == 24 and lv.tokens_per_s > 0 for lv in levels)
-    assert all(lv.ttft_p50_ms is not None and lv.rss_mib[-1][1] > 0 for lv in levels)
-    assert levels[0].acceptance_rate is None and levels[2].acceptance_rate is not None  # off never drafts, on does
-    config = {"model": MODEL, "drafter": "ngram", "gamma": 3, "max_tokens": 8, "temperature": 0.0, "task": "test", "threshold": 2}
-    files = write_report(tmp_path, config, {"server_device": health["device"], "cpu": "x", "cpu_cores": 1, "torch": "t"}, levels)
-    assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}
-    assert "| cost" in (tmp_path / "report.md").read_text()
-    assert json.loads((tmp_path / "results.json").read_text())["levels"][5]["lost"] == 0

@@ -3,13 +3,29 @@
 One warm server (started here with --enable-admin and a random API key, or an existing one at --url
 started with --enable-admin) serves every level; the speculation policy is switched between levels
 through POST /admin/spec-policy. At concurrency c, c clients send streamed chat completions back to
-back, cycling through the prompt set, until --requests have finished. Measured on the client:
-- throughput: completion tokens of the level / its wall seconds;
+back until --requests have finished. Request i of a level (plan_request) takes the prompts in turn
+and its sampling parameters from --temperature, or with --sampling-mix from SAMPLING_MIX in turn
+(greedy, top_p, top_k, seeded; shifted by one at every pass over the prompts, so each prompt meets
+every set), so the batch holds rows that sample differently. With --disconnect-fraction F,
+floor(n x F) of a level's n requests, evenly spread, close their stream after DISCONNECT_AFTER_CHUNKS
+chunks. Measured on the client:
+- throughput: completion tokens of the level's completed requests / its wall seconds (the tokens a
+  disconnected request received are not counted);
 - TTFT: request sent to the first chunk (it comes with the first token); ITL: (last chunk - first) /
-  (completion tokens - 1) per request, i.e. time per output token; p50 and p99 over the level's requests;
-- every response is checked: HTTP 200, each chunk well-formed, a finish reason, usage, then [DONE];
-- server RSS (process_resident_memory_bytes from /metrics) at the level's start, after every 1,000
-  requests and at its end.
+  (completion tokens - 1) per request, i.e. time per output token; p50 and p99 over the level's
+  completed requests;
+- every response is checked: HTTP 200, each chunk well-formed, a finish reason, usage, then [DONE]; a
+  disconnected one up to where it closed. A request neither complete nor disconnected is lost;
+- after each level, /metrics must show no running or waiting request (every row freed) within
+  DRAIN_TIMEOUT_S; the server's count of cancelled requests over the level is kept beside the
+  client's disconnects;
+- server memory from /metrics: RSS (process_resident_memory_bytes) and, on CUDA, the torch
+  allocator's allocated and reserved bytes (specdec_cuda_memory_*_bytes, summed over devices), at the
+  level's start, after every MEMORY_EVERY requests and at its end (after the drain); growth = last
+  sample - first.
+The targets of issue 13 are checked from the measured levels (check_targets): `cost` / `off` >= 1.0
+and `cost` / the better of `off` and `on` >= 0.95 at each concurrency, TTFT p50 at c = 32 (and at the
+largest concurrency) <= 2x TTFT p50 at c = 1 per policy, no request lost, every row freed.
 Writes results.json, report.md and throughput.png (tokens/s vs concurrency per policy).
 """
 
@@ -44,12 +60,53 @@ SHORT_PROMPTS = (
     "What is 12 times 12?",
     "List the days of the week.",
 )
-RSS_EVERY = 1000
+MEMORY_EVERY = 250  # requests between server memory samples within a level
+DISCONNECT_AFTER_CHUNKS = 3  # chunks with a choice a disconnecting client reads before closing
+DRAIN_TIMEOUT_S = 30.0  # after a level, for the server's running and waiting requests to reach 0
+COST_VS_OFF_TARGET = 1.0  # issue 13: `cost` >= 1.0x `off` ...
+COST_VS_BEST_TARGET = 0.95  # ... and within 5 % of the better of `off` and `on`
+TTFT_TARGET_CONCURRENCY = 32  # issue 13: TTFT p50 at c = 32 <= 2x TTFT p50 at c = 1
+TTFT_TARGET_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class SamplingSet:
+    """One request's sampling parameters, under the body field names the server accepts (app.py's
+    SamplingFields: temperature, top_p, top_k, seed; it has no min_p)."""
+
+    name: str
+    temperature: float
+    top_p: float | None = None
+    top_k: int | None = None
+    seeded: bool = False  # seed = the request's index in its level: reproducible, different per request
+
+
+SAMPLING_MIX = (
+    SamplingSet("greedy", 0.0),
+    SamplingSet("t=0.7 top_p=0.95", 0.7, top_p=0.95),
+    SamplingSet("t=1.0 top_k=50", 1.0, top_k=50),
+    SamplingSet("t=0.8 top_p=0.9 seeded", 0.8, top_p=0.9, seeded=True),
+    SamplingSet("t=0.6 top_k=20 top_p=0.9 seeded", 0.6, top_p=0.9, top_k=20, seeded=True),
+)
+
+
+def fixed_sampling(temperature: float) -> tuple[SamplingSet, ...]:
+    """Every request at one temperature (greedy at 0)."""
+    return (SamplingSet("greedy" if temperature == 0 else f"t={temperature:g}", temperature),)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int  # in its level
+    prompt: str
+    sampling: SamplingSet
+    disconnect_after: int | None  # chunks read before closing the stream; None: read it to the end
 
 
 @dataclass
 class RequestResult:
-    ok: bool
+    outcome: str  # "ok", "disconnected" (closed by the client, as planned) or "failed"
+    sampling: str  # the SamplingSet's name
     error: str | None = None
     ttft_s: float | None = None
     itl_s: float | None = None
@@ -60,11 +117,20 @@ class RequestResult:
 
 
 @dataclass
+class MemorySample:
+    requests_done: int
+    rss_mib: float | None
+    gpu_allocated_mib: float | None  # torch's CUDA allocator, summed over devices; None without CUDA
+    gpu_reserved_mib: float | None
+
+
+@dataclass
 class LevelResult:
     policy: str
     concurrency: int
     requests: int
     ok: int
+    disconnected: int
     wall_s: float
     completion_tokens: int
     tokens_per_s: float
@@ -73,12 +139,23 @@ class LevelResult:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     acceptance_rate: float | None
-    rss_mib: list[tuple[int, float | None]] = field(default_factory=list)  # (requests done, MiB)
+    running_after: int  # requests running on the server after the level's drain (0: every row freed)
+    waiting_after: int
+    server_cancelled: int  # requests the server counted as cancelled during the level
+    memory: list[MemorySample] = field(default_factory=list)
+    rss_growth_mib: float | None = None  # last memory sample - first
+    gpu_allocated_growth_mib: float | None = None
+    gpu_reserved_growth_mib: float | None = None
+    sampling: dict[str, dict[str, int]] = field(default_factory=dict)  # set name -> {outcome: requests}
     errors: list[str] = field(default_factory=list)  # the first few
 
     @property
     def lost(self) -> int:
-        return self.requests - self.ok
+        return self.requests - self.ok - self.disconnected
+
+    @property
+    def rows_freed(self) -> bool:
+        return self.running_after == 0 and self.waiting_after == 0
 
 
 @dataclass(frozen=True)
@@ -87,11 +164,38 @@ class LoadPlan:
     policies: tuple[str, ...]
     requests: int | None  # per level; None: max(8, 4 x concurrency)
     max_tokens: int
-    temperature: float
+    sampling: tuple[SamplingSet, ...]  # taken in turn (plan_request)
     threshold: int
+    disconnect_fraction: float = 0.0  # of each level's requests, in [0, 1)
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    name: str  # what is compared, e.g. "cost / off at c=8"
+    value: float | int  # a ratio, or a count
+    target: str  # e.g. ">= 1.00"
+    met: bool
+
+
+def plan_request(plan: LoadPlan, prompts: list[str], index: int) -> RequestSpec:
+    """Request `index` of a level: the prompts in turn; the sampling sets in turn, one further on at
+    every pass over the prompts; a disconnect when floor((index + 1) x F) > floor(index x F), F being
+    disconnect_fraction (floor(n x F) of n requests, evenly spread: every 10th at 0.1)."""
+    passes, position = divmod(index, len(prompts))
+    sampling = plan.sampling[(position + passes) % len(plan.sampling)]
+    f = plan.disconnect_fraction
+    leaves = int((index + 1) * f) > int(index * f)
+    return RequestSpec(index, prompts[position], sampling, DISCONNECT_AFTER_CHUNKS if leaves else None)
+
+
+def sampling_fields(sampling: SamplingSet, index: int) -> dict:
+    """The request body's sampling fields for request `index` of a level."""
+    fields = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+              "seed": index if sampling.seeded else None}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -126,53 +230,99 @@ def chunk_problem(chunk: object) -> str | None:
     return None
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, temperature: float) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(client, model: str, spec: RequestSpec, max_tokens: int) -> RequestResult:
+    """Send one streamed chat completion and check every chunk; close early if the spec says so."""
+    body = {"model": model, "messages": [{"role": "user", "content": spec.prompt}], "max_tokens": max_tokens,
+            **sampling_fields(spec.sampling, spec.index), "stream": True, "stream_options": {"include_usage": True}}
+    name = spec.sampling.name
     t0 = time.perf_counter()
     first = last = None
     finish = usage = None
     done = False
+    chunks = 0
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                return RequestResult(False, f"HTTP {response.status_code}: {text[:200]}")
+                return RequestResult("failed", name, f"HTTP {response.status_code}: {text[:200]}")
             async for line in response.aiter_lines():
                 if not line:
                     continue
                 if not line.startswith("data: ") or done:
-                    return RequestResult(False, f"malformed stream line: {line[:120]!r}")
+                    return RequestResult("failed", name, f"malformed stream line: {line[:120]!r}")
                 if line == "data: [DONE]":
                     done = True
                     continue
                 chunk = json.loads(line[6:])
                 problem = chunk_problem(chunk)
                 if problem is not None:
-                    return RequestResult(False, problem)
+                    return RequestResult("failed", name, problem)
                 for choice in chunk["choices"]:  # the server sends a chunk when tokens arrive (text may lag)
                     last = time.perf_counter()
                     first = first or last
                     finish = choice["finish_reason"] or finish
+                    chunks += 1
                 usage = chunk.get("usage") or usage
+                if chunks == spec.disconnect_after and finish is None:  # leaving the block closes the connection
+                    return RequestResult("disconnected", name, ttft_s=first - t0, latency_s=time.perf_counter() - t0)
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        return RequestResult(False, f"{type(e).__name__}: {e}")
+        return RequestResult("failed", name, f"{type(e).__name__}: {e}")
     if not (done and finish and usage):
-        return RequestResult(False, f"incomplete stream (done={done}, finish_reason={finish}, usage={usage is not None})")
+        return RequestResult("failed", name, f"incomplete stream (done={done}, finish_reason={finish}, "
+                                             f"usage={usage is not None})")
     n = usage["completion_tokens"]
-    spec = usage.get("speculation") or {}
+    spec_usage = usage.get("speculation") or {}
     return RequestResult(
-        True, ttft_s=None if first is None else first - t0,
+        "ok", name, ttft_s=None if first is None else first - t0,
         itl_s=(last - first) / (n - 1) if first is not None and n > 1 else None,
         latency_s=time.perf_counter() - t0, completion_tokens=n,
-        drafted=spec.get("drafted", 0), accepted=spec.get("accepted", 0),
+        drafted=spec_usage.get("drafted", 0), accepted=spec_usage.get("accepted", 0),
     )
 
 
-async def read_rss_mib(client) -> float | None:
+async def scrape(client) -> dict[str, float]:
+    """The server's /metrics, parsed."""
     response = await client.get("/metrics")
-    rss = parse_metrics(response.text).get("process_resident_memory_bytes")
-    return None if rss is None else rss / 2**20
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def metric_total(metrics: dict[str, float], name: str) -> float | None:
+    """A metric summed over its label sets; None when the server does not expose it."""
+    values = [v for key, v in metrics.items() if key == name or key.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+def sample_memory(requests_done: int, metrics: dict[str, float]) -> MemorySample:
+    def mib(name: str) -> float | None:
+        total = metric_total(metrics, name)
+        return None if total is None else total / 2**20
+
+    return MemorySample(requests_done, mib("process_resident_memory_bytes"),
+                        mib("specdec_cuda_memory_allocated_bytes"), mib("specdec_cuda_memory_reserved_bytes"))
+
+
+def memory_growth(samples: list[MemorySample], name: str) -> float | None:
+    """Last sample - first of one MemorySample field (MiB); None when either is missing."""
+    if not samples:
+        return None
+    first, last = getattr(samples[0], name), getattr(samples[-1], name)
+    return None if first is None or last is None else last - first
+
+
+def busy_requests(metrics: dict[str, float]) -> tuple[int, int]:
+    """(running, waiting) requests on the server."""
+    return int(metrics["specdec_requests_running"]), int(metrics["specdec_requests_waiting"])
+
+
+async def wait_for_idle(client, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str, float]:
+    """/metrics once no request runs or waits (every row freed), or the last reading after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = await scrape(client)
+        if busy_requests(metrics) == (0, 0) or time.monotonic() > deadline:
+            return metrics
+        await asyncio.sleep(0.1)
 
 
 async def run_level(url: str, headers: dict, model: str, prompts: list[str], policy: str, concurrency: int,
@@ -180,7 +330,8 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
     n = plan.requests_at(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(600, connect=30)) as client:
-        rss = [(0, await read_rss_mib(client))]
+        start = await scrape(client)
+        memory = [sample_memory(0, start)]
         results: list[RequestResult] = []
         sent = 0
 
@@ -188,32 +339,46 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
             nonlocal sent
             while sent < n:
                 i, sent = sent, sent + 1
-                results.append(await one_request(client, model, prompts[i % len(prompts)], plan.max_tokens, plan.temperature))
+                results.append(await one_request(client, model, plan_request(plan, prompts, i), plan.max_tokens))
                 progress.update(1)
-                if len(results) % RSS_EVERY == 0 and len(results) < n:
-                    rss.append((len(results), await read_rss_mib(client)))
+                if len(results) % MEMORY_EVERY == 0 and len(results) < n:
+                    memory.append(sample_memory(len(results), await scrape(client)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-        rss.append((len(results), await read_rss_mib(client)))
-    return summarize(policy, concurrency, results, wall, rss)
+        end = await wait_for_idle(client)
+        memory.append(sample_memory(len(results), end))
+    return summarize(policy, concurrency, results, wall, memory, start, end)
 
 
 def summarize(policy: str, concurrency: int, results: list[RequestResult], wall: float,
-              rss: list[tuple[int, float | None]]) -> LevelResult:
-    good = [r for r in results if r.ok]
+              memory: list[MemorySample], start: dict[str, float], end: dict[str, float]) -> LevelResult:
+    """One level from its requests, memory samples and the server's /metrics before and after it."""
+    good = [r for r in results if r.outcome == "ok"]
     tokens = sum(r.completion_tokens for r in good)
     drafted = sum(r.drafted for r in good)
     ttft = [r.ttft_s for r in good if r.ttft_s is not None]
     itl = [r.itl_s for r in good if r.itl_s is not None]
+    running, waiting = busy_requests(end)
+    cancelled = 'specdec_requests_total{status="cancelled"}'
+    by_set: dict[str, dict[str, int]] = {}
+    for r in results:
+        counts = by_set.setdefault(r.sampling, {})
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
     return LevelResult(
-        policy=policy, concurrency=concurrency, requests=len(results), ok=len(good), wall_s=wall,
+        policy=policy, concurrency=concurrency, requests=len(results), ok=len(good),
+        disconnected=sum(r.outcome == "disconnected" for r in results), wall_s=wall,
         completion_tokens=tokens, tokens_per_s=tokens / wall if wall > 0 else 0.0,
         ttft_p50_ms=milliseconds(percentile(ttft, 50)), ttft_p99_ms=milliseconds(percentile(ttft, 99)),
         itl_p50_ms=milliseconds(percentile(itl, 50)), itl_p99_ms=milliseconds(percentile(itl, 99)),
         acceptance_rate=sum(r.accepted for r in good) / drafted if drafted else None,
-        rss_mib=rss, errors=[r.error for r in results if not r.ok][:5],
+        running_after=running, waiting_after=waiting,
+        server_cancelled=int(end.get(cancelled, 0) - start.get(cancelled, 0)), memory=memory,
+        rss_growth_mib=memory_growth(memory, "rss_mib"),
+        gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
+        gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
+        sampling=by_set, errors=[f"[{r.sampling}] {r.error}" for r in results if r.outcome == "failed"][:5],
     )
 
 
@@ -321,16 +486,19 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 
 def format_table(levels: list[LevelResult]) -> str:
-    """A markdown table (readable in a terminal too), with each level's throughput against `off`."""
+    """A markdown table (readable in a terminal too), with each level's throughput against `off` and the
+    server's memory growth over the level (last sample - first, MiB)."""
     off = {lv.concurrency: lv.tokens_per_s for lv in levels if lv.policy == "off"}
-    head = ["policy", "concurrency", "ok / sent", "tokens/s", "vs off", "TTFT p50 ms", "TTFT p99 ms",
-            "ITL p50 ms", "ITL p99 ms", "acceptance"]
+    head = ["policy", "concurrency", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off", "TTFT p50 ms",
+            "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "acceptance", "RSS growth MiB", "GPU alloc growth MiB",
+            "GPU resv growth MiB"]
     rows = []
     for lv in levels:
         ratio = lv.tokens_per_s / off[lv.concurrency] if off.get(lv.concurrency) else None
-        rows.append([lv.policy, str(lv.concurrency), f"{lv.ok} / {lv.requests}", fmt(lv.tokens_per_s),
-                     fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms), fmt(lv.itl_p50_ms, 2),
-                     fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3)])
+        rows.append([lv.policy, str(lv.concurrency), str(lv.requests), str(lv.ok), str(lv.disconnected), str(lv.lost),
+                     fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
+                     fmt(lv.itl_p50_ms, 2), fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3),
+                     fmt(lv.rss_growth_mib), fmt(lv.gpu_allocated_growth_mib), fmt(lv.gpu_reserved_growth_mib)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
     def line(cells: list[str]) -> str:
@@ -339,49 +507,110 @@ def format_table(levels: list[LevelResult]) -> str:
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
-def cost_summary(levels: list[LevelResult]) -> list[str]:
-    """Per concurrency: `cost` against `off` and against the better of `off` and `on` (the issue's targets)."""
+def check_targets(levels: list[LevelResult]) -> list[TargetCheck]:
+    """Issue 13's targets, from whichever levels were measured."""
+    return [*check_cost(levels), *check_ttft(levels), *check_requests(levels)]
+
+
+def check_cost(levels: list[LevelResult]) -> list[TargetCheck]:
+    """Per concurrency: `cost` against `off`, and against the better of `off` and `on` where `on` ran."""
     by = {(lv.policy, lv.concurrency): lv.tokens_per_s for lv in levels}
-    lines = []
+    checks = []
     for c in sorted({lv.concurrency for lv in levels}):
         cost, off, on = by.get(("cost", c)), by.get(("off", c)), by.get(("on", c))
         if cost is None or not off:
             continue
-        best = max(x for x in (off, on) if x is not None)
-        lines.append(f"- concurrency {c}: cost / off = {cost / off:.2f}, cost / best(off, on) = {cost / best:.2f}")
-    return lines
+        checks.append(TargetCheck(f"cost / off at c={c}", cost / off, f">= {COST_VS_OFF_TARGET:.2f}",
+                                  cost / off >= COST_VS_OFF_TARGET))
+        if on:
+            best = max(off, on)
+            checks.append(TargetCheck(f"cost / max(off, on) at c={c}", cost / best, f">= {COST_VS_BEST_TARGET:.2f}",
+                                      cost / best >= COST_VS_BEST_TARGET))
+    return checks
 
 
-def rss_lines(levels: list[LevelResult]) -> list[str]:
+def check_ttft(levels: list[LevelResult]) -> list[TargetCheck]:
+    """Per policy: TTFT p50 at c = TTFT_TARGET_CONCURRENCY and at the largest concurrency / at c = 1."""
+    checks = []
+    for policy in dict.fromkeys(lv.policy for lv in levels):
+        p50 = {lv.concurrency: lv.ttft_p50_ms for lv in levels if lv.policy == policy and lv.ttft_p50_ms}
+        if 1 not in p50:
+            continue
+        for c in sorted({TTFT_TARGET_CONCURRENCY, max(p50)} & p50.keys() - {1}):
+            ratio = p50[c] / p50[1]
+            checks.append(TargetCheck(f"{policy}: TTFT p50 at c={c} / at c=1", ratio, f"<= {TTFT_TARGET_RATIO:.2f}",
+                                      ratio <= TTFT_TARGET_RATIO))
+    return checks
+
+
+def check_requests(levels: list[LevelResult]) -> list[TargetCheck]:
+    """No request lost or malformed; every level ends with no request running or waiting."""
+    lost = sum(lv.lost for lv in levels)
+    busy = sum(not lv.rows_freed for lv in levels)
+    return [TargetCheck(f"requests lost or malformed, of {sum(lv.requests for lv in levels)}", lost, "= 0", lost == 0),
+            TargetCheck(f"levels leaving requests running or waiting, of {len(levels)}", busy, "= 0", busy == 0)]
+
+
+def format_checks(checks: list[TargetCheck]) -> list[str]:
+    return [f"- {c.name} = {c.value if isinstance(c.value, int) else f'{c.value:.3f}'}: target {c.target} "
+            f"{'met' if c.met else 'missed'}" for c in checks]
+
+
+def request_lines(levels: list[LevelResult]) -> list[str]:
+    """Per level: outcomes, the server's cancellations, what was left running, outcomes per sampling set."""
     lines = []
     for lv in levels:
-        samples = ", ".join(f"{n}: {fmt(m)}" for n, m in lv.rss_mib)
-        lines.append(f"- {lv.policy} at concurrency {lv.concurrency}: server RSS MiB after N requests ({samples})")
+        sets = "; ".join(f"{name}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+                         for name, counts in lv.sampling.items())
+        lines.append(f"- {lv.policy} c={lv.concurrency}: {lv.requests} sent, {lv.ok} ok, {lv.disconnected} "
+                     f"disconnected, {lv.lost} lost; server cancelled {lv.server_cancelled}; running / waiting after "
+                     f"the level {lv.running_after} / {lv.waiting_after} ({sets})")
     return lines
+
+
+def memory_lines(levels: list[LevelResult]) -> list[str]:
+    lines = []
+    for lv in levels:
+        samples = ", ".join(f"{m.requests_done}: {fmt(m.rss_mib)}" + (
+            "" if m.gpu_reserved_mib is None else f" / {fmt(m.gpu_allocated_mib)} / {fmt(m.gpu_reserved_mib)}")
+            for m in lv.memory)
+        lines.append(f"- {lv.policy} c={lv.concurrency}: growth RSS {fmt(lv.rss_growth_mib)}, GPU allocated "
+                     f"{fmt(lv.gpu_allocated_growth_mib)}, GPU reserved {fmt(lv.gpu_reserved_growth_mib)} MiB; "
+                     f"after N requests ({samples})")
+    return lines
+
+
+def describe_sampling(config: dict) -> str:
+    sets = config["sampling"]
+    return sets[0]["name"] if len(sets) == 1 else "mixed, in turn: " + ", ".join(s["name"] for s in sets)
 
 
 def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    results = {"config": config, "hardware": hw, "levels": [{**asdict(lv), "lost": lv.lost} for lv in levels]}
+    checks = check_targets(levels)
+    results = {"config": config, "hardware": hw, "levels": [{**asdict(lv), "lost": lv.lost} for lv in levels],
+               "targets": [asdict(c) for c in checks]}
     paths = [out / "results.json", out / "report.md"]
     paths[0].write_text(json.dumps(results, indent=2))
     plot = plot_throughput(levels, out / "throughput.png")
-    lost = sum(lv.lost for lv in levels)
     md = [
         "# specdec bench-serve", "",
         f"Server device: {hw['server_device']}; client CPU: {hw['cpu']} ({hw['cpu_cores']} cores); torch {hw['torch']}.",
         f"Model {config['model']}, drafter {config['drafter']}, gamma {config['gamma']}, "
-        f"max_tokens {config['max_tokens']}, temperature {config['temperature']}, task {config['task']}, "
-        f"batch-threshold {config['threshold']}.", "",
-        "Throughput = completion tokens / wall seconds of the level; TTFT = request sent to the first chunk "
-        "(sent with the first token); ITL = per-request time per output token after the first. "
-        "All measured on the client, in one run.", "",
+        f"max_tokens {config['max_tokens']}, sampling {describe_sampling(config)}, task {config['task']}, "
+        f"batch-threshold {config['threshold']}, disconnect fraction {config['disconnect_fraction']:g} "
+        f"(after {DISCONNECT_AFTER_CHUNKS} chunks).", "",
+        "Throughput = completion tokens of the completed requests / wall seconds of the level; TTFT = request "
+        "sent to the first chunk (sent with the first token); ITL = per-request time per output token after the "
+        "first; both over completed requests. All measured on the client, in one run. Memory growth = the "
+        "server's last sample of the level - its first (MiB).", "",
         format_table(levels), "",
-        *(["## cost policy against off and on", "", *cost_summary(levels), ""] if cost_summary(levels) else []),
-        "## Requests", "",
-        f"{sum(lv.requests for lv in levels)} sent, {lost} lost or malformed.", "",
+        "## Targets (issue 13), from the levels above", "", *format_checks(checks), "",
+        "## Requests", "", *request_lines(levels),
         *[f"- {lv.policy} c={lv.concurrency}: {e}" for lv in levels for e in lv.errors],
-        "", "## Server memory", "", *rss_lines(levels), "",
+        "", "## Server memory", "",
+        "MiB, RSS (/ GPU allocated / GPU reserved on CUDA), sampled after N requests of the level.", "",
+        *memory_lines(levels), "",
     ]
     if plot is not None:
         md += [f"![throughput vs concurrency]({plot.name})", ""]

@@ -42,11 +42,15 @@ def add_server_commands(sub) -> None:
     b.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), help="for --url (default: $SPECDEC_API_KEY)")
     b.add_argument("--task", default="gsm8k-eval", help="short, gsm8k-eval, gsm8k-train, mixed, or a .jsonl / .txt file")
     b.add_argument("--limit", type=int, default=100, help="first N prompts of the task set")
-    b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32), help="comma-separated client counts")
+    b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32, 64), help="comma-separated client counts")
     b.add_argument("--policies", type=csv(str), default=("off", "on", "batch-threshold", "cost"), help="comma-separated policies")
     b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(8, 4 x concurrency))")
     b.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--temperature", type=float, default=None, help="of every request (default 0: greedy)")
+    b.add_argument("--sampling-mix", action="store_true",
+                   help="requests take fixed sampling sets in turn (greedy, top_p, top_k, seeded) instead of --temperature")
+    b.add_argument("--disconnect-fraction", type=float, default=0.0,
+                   help="this fraction of each level's requests (evenly spread) close their stream after a few chunks")
     b.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest concurrency)")
     b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
@@ -150,7 +154,10 @@ def describe_device(target) -> str:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
-    from specdec.server.bench import LoadPlan, format_table, hardware, local_server, prompts_for, run_load, write_report
+    from dataclasses import asdict
+
+    from specdec.server.bench import (SAMPLING_MIX, LoadPlan, check_targets, fixed_sampling, format_checks, format_table,
+                                      hardware, local_server, prompts_for, run_load, write_report)
     from specdec.server.policy import check_policy
 
     if not args.concurrency or min(args.concurrency) < 1:
@@ -161,9 +168,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         check_policy(policy, args.gamma, args.spec_threshold)
     if args.requests is not None and args.requests < 1 or args.max_tokens < 1:
         raise UserError("--requests and --max-tokens must be >= 1")
+    if args.sampling_mix and args.temperature is not None:
+        raise UserError("--sampling-mix sets each request's temperature: leave out --temperature")
+    if args.temperature is not None and args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.disconnect_fraction < 1:
+        raise UserError(f"--disconnect-fraction must be in [0, 1), got {args.disconnect_fraction}")
     prompts = prompts_for(args.task, args.limit)
-    plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, args.temperature,
-                    args.spec_threshold)
+    sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
+    plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, sampling,
+                    args.spec_threshold, args.disconnect_fraction)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
@@ -181,7 +195,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             health, levels = run_load(url, key, prompts, plan)
     config = {"model": health.get("model"), "url": args.url, "drafter": health.get("drafter"),
               "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": list(args.concurrency),
+              "max_tokens": args.max_tokens, "sampling": [asdict(s) for s in sampling],
+              "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
               "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency]}
     files = write_report(out, config, hardware(health), levels)
     lost = sum(lv.lost for lv in levels)
@@ -189,5 +204,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(files[0].read_text())
     else:
         print(format_table(levels))
-        print(f"\n{sum(lv.requests for lv in levels)} requests, {lost} lost or malformed; wrote {', '.join(map(str, files))}")
-    return 1 if lost else 0
+        print("\nTargets (issue 13):", *format_checks(check_targets(levels)), sep="\n")
+        print(f"\n{sum(lv.requests for lv in levels)} requests: {sum(lv.ok for lv in levels)} ok, "
+              f"{sum(lv.disconnected for lv in levels)} disconnected, {lost} lost or malformed; "
+              f"wrote {', '.join(map(str, files))}")
+    return 1 if lost or not all(lv.rows_freed for lv in levels) else 0

@@ -1,0 +1,159 @@
+"""`specdec bench-serve`: the load generator against the server on loopback over a tiny random model
+(every level measured, mixed sampling, disconnecting clients, rows freed, memory samples), the targets
+computed from the levels, the CUDA memory gauges, and one-line errors for bad arguments."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from specdec.server.app import SamplingFields
+from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
+                                  check_targets, fixed_sampling, plan_request, run_load, sample_memory, sampling_fields,
+                                  write_report)
+from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics
+from specdec.server.policy import measure_batch_costs
+from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
+
+HARDWARE = {"server_device": "cpu", "cpu": "x", "cpu_cores": 1, "torch": "t"}
+
+
+def report_config(plan: LoadPlan) -> dict:
+    return {"model": MODEL, "drafter": "ngram", "gamma": 3, "max_tokens": plan.max_tokens, "task": "test",
+            "threshold": plan.threshold, "sampling": [vars(s) for s in plan.sampling],
+            "disconnect_fraction": plan.disconnect_fraction}
+
+
+def test_bench_serve_measures_every_level(model, tmp_path):
+    costs = measure_batch_costs(model, [1, 2], [1, 2, 3, 4], context=16, repeats=1)
+    scheduler = make_scheduler(model, policy="off", costs=costs)
+    plan = LoadPlan(concurrency=(1, 2), policies=("off", "on", "cost"), requests=3, max_tokens=8,
+                    sampling=fixed_sampling(0.0), threshold=2)
+    with serving(scheduler, admin=True, costs=costs) as (url, _):
+        health, levels = run_load(url, KEY, PROMPTS, plan)
+    assert [(lv.policy, lv.concurrency) for lv in levels] == [(p, c) for p in plan.policies for c in (1, 2)]
+    assert all(lv.ok == lv.requests == 3 and lv.completion_tokens == 24 and lv.tokens_per_s > 0 for lv in levels)
+    assert all(lv.ttft_p50_ms is not None and lv.memory[-1].rss_mib > 0 for lv in levels)
+    assert all(lv.rows_freed and lv.disconnected == lv.server_cancelled == 0 for lv in levels)
+    assert levels[0].acceptance_rate is None and levels[2].acceptance_rate is not None  # off never drafts, on does
+    files = write_report(tmp_path, {**report_config(plan), "model": health["model"]}, HARDWARE, levels)
+    assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}
+    report = (tmp_path / "report.md").read_text()
+    assert "| cost" in report and "cost / off at c=2 = " in report and "cost / max(off, on) at c=1 = " in report
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["levels"][5]["lost"] == 0 and results["levels"][5]["rss_growth_mib"] is not None
+    assert {t["name"] for t in results["targets"]} >= {"cost / off at c=1", "off: TTFT p50 at c=2 / at c=1"}
+
+
+def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
+    scheduler = make_scheduler(model, policy="on", max_batch=4)
+    plan = LoadPlan(concurrency=(4,), policies=("on",), requests=12, max_tokens=96, sampling=SAMPLING_MIX,
+                    threshold=2, disconnect_fraction=0.25)
+    with serving(scheduler, admin=True) as (url, _):
+        _, [level] = run_load(url, KEY, PROMPTS, plan)
+    assert (level.requests, level.ok, level.disconnected, level.lost) == (12, 9, 3, 0), level.errors
+    assert level.rows_freed and not scheduler.batch.active.any()
+    assert 0 < level.server_cancelled <= level.disconnected  # the server saw clients leave mid-stream
+    assert set(level.sampling) == {s.name for s in SAMPLING_MIX}
+    assert sum(counts.get("disconnected", 0) for counts in level.sampling.values()) == 3
+    assert [m.requests_done for m in level.memory] == [0, 12] and level.rss_growth_mib is not None
+    assert level.gpu_reserved_growth_mib is None  # no CUDA here
+
+
+def test_requests_spread_disconnects_and_meet_every_sampling_set():
+    plan = LoadPlan(concurrency=(1,), policies=("on",), requests=2000, max_tokens=8, sampling=SAMPLING_MIX,
+                    threshold=2, disconnect_fraction=0.1)
+    specs = [plan_request(plan, PROMPTS, i) for i in range(2000)]
+    leaving = [s.index for s in specs if s.disconnect_after is not None]
+    assert len(leaving) == 200 and leaving[:3] == [9, 19, 29]  # every 10th
+    assert {s.disconnect_after for s in specs} == {None, DISCONNECT_AFTER_CHUNKS}
+    pairs = Counter((s.prompt, s.sampling.name) for s in specs[: len(PROMPTS) * len(SAMPLING_MIX)])
+    assert len(pairs) == len(PROMPTS) * len(SAMPLING_MIX)  # each prompt with every set
+    assert Counter(s.sampling.name for s in specs[:10]) == Counter({s.name: 2 for s in SAMPLING_MIX})  # mixed at once
+    none_leave = LoadPlan((1,), ("on",), 50, 8, fixed_sampling(0.5), 2)
+    assert all(plan_request(none_leave, PROMPTS, i).disconnect_after is None for i in range(50))
+
+
+def test_sampling_fields_are_ones_the_server_reads():
+    accepted = set(SamplingFields.model_fields)
+    for i, sampling in enumerate(SAMPLING_MIX):
+        fields = sampling_fields(sampling, 7)
+        assert set(fields) <= accepted and SamplingFields(**fields)  # named and ranged as the server wants
+        assert fields.get("seed") == (7 if sampling.seeded else None)
+    assert sampling_fields(SAMPLING_MIX[0], 3) == {"temperature": 0.0}
+    assert fixed_sampling(0.0)[0].name == "greedy" and fixed_sampling(0.7)[0].name == "t=0.7"
+
+
+def level(policy: str, concurrency: int, tokens_per_s: float, ttft_ms: float, ok: int = 4, disconnected: int = 0,
+          running_after: int = 0) -> LevelResult:
+    return LevelResult(policy, concurrency, requests=4, ok=ok, disconnected=disconnected, wall_s=1.0, completion_tokens=0,
+                       tokens_per_s=tokens_per_s, ttft_p50_ms=ttft_ms, ttft_p99_ms=None, itl_p50_ms=None,
+                       itl_p99_ms=None, acceptance_rate=None, running_after=running_after, waiting_after=0,
+                       server_cancelled=disconnected)
+
+
+def test_targets_come_from_the_measured_levels():
+    levels = [level("off", 1, 100, 10), level("off", 32, 1000, 15), level("off", 64, 1500, 40),
+              level("on", 1, 150, 10), level("on", 32, 900, 25), level("on", 64, 1200, 50),
+              level("cost", 1, 148, 10), level("cost", 32, 990, 19), level("cost", 64, 1400, 30, ok=3, disconnected=1)]
+    checks = {c.name: c for c in check_targets(levels)}
+    assert checks["cost / off at c=1"].met and checks["cost / off at c=1"].value == pytest.approx(1.48)
+    assert checks["cost / max(off, on) at c=1"].met  # 148 / 150 >= 0.95
+    assert not checks["cost / off at c=32"].met and checks["cost / max(off, on) at c=32"].met  # 0.99 x off
+    assert not checks["cost / off at c=64"].met and not checks["cost / max(off, on) at c=64"].met  # 0.93
+    assert checks["off: TTFT p50 at c=32 / at c=1"].met and not checks["on: TTFT p50 at c=32 / at c=1"].met
+    assert checks["cost: TTFT p50 at c=64 / at c=1"].value == pytest.approx(3.0)
+    assert checks["requests lost or malformed, of 36"].met  # a disconnect is not a loss
+    assert checks["levels leaving requests running or waiting, of 9"].met
+    bad = check_targets([level("on", 1, 1, 1, ok=3), level("on", 2, 1, 1, running_after=1)])
+    assert [(c.name, c.value, c.met) for c in bad[-2:]] == [("requests lost or malformed, of 8", 1, False),
+                                                           ("levels leaving requests running or waiting, of 2", 1, False)]
+
+
+def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):
+    import specdec.server.metrics as metrics
+
+    assert "specdec_cuda_memory" not in ServerMetrics().render(0, 0, "on")  # none on the CPU
+    devices = [CudaMemory(0, 3 << 20, 8 << 20), CudaMemory(1, 1 << 20, 2 << 20)]
+    monkeypatch.setattr(metrics, "read_cuda_memory", lambda: devices)
+    scraped = parse_metrics(ServerMetrics().render(0, 0, "on"))
+    assert scraped['specdec_cuda_memory_reserved_bytes{device="1"}'] == 2 << 20
+    sample = sample_memory(5, scraped)
+    assert (sample.requests_done, sample.gpu_allocated_mib, sample.gpu_reserved_mib) == (5, 4.0, 10.0)
+    assert sample.rss_mib > 0
+
+
+def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
+    lv = level("cost", 64, 100, 10, ok=3, disconnected=1)
+    lv.memory = [MemorySample(0, 100.0, 10.0, 20.0), MemorySample(4, 101.5, 10.0, 20.0)]
+    lv.rss_growth_mib, lv.gpu_allocated_growth_mib, lv.gpu_reserved_growth_mib = 1.5, 0.0, 0.0
+    plan = LoadPlan((64,), ("cost",), 4, 8, SAMPLING_MIX, 2, 0.25)
+    write_report(tmp_path, report_config(plan), HARDWARE, [lv])
+    report = (tmp_path / "report.md").read_text()
+    assert "sampling mixed, in turn: greedy, t=0.7 top_p=0.95" in report and "disconnect fraction 0.25" in report
+    assert "4 sent, 3 ok, 1 disconnected, 0 lost" in report and "growth RSS 1.5, GPU allocated 0.0" in report
+    assert "requests lost or malformed, of 4 = 0: target = 0 met" in report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--disconnect-fraction", "1"], "--disconnect-fraction must be in [0, 1), got 1.0"),
+    (["--disconnect-fraction", "-0.1"], "--disconnect-fraction must be in [0, 1)"),
+    (["--sampling-mix", "--temperature", "0.5"], "--sampling-mix sets each request's temperature"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+])
+def test_bench_serve_argument_errors_are_one_line(capsys, argv, message):
+    from specdec.cli import main
+
+    assert main(["bench-serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bench_serve_defaults_reach_concurrency_64():
+    from specdec.cli import build_parser
+
+    args = build_parser().parse_args(["bench-serve"])
+    assert max(args.concurrency) == 64 and args.max_batch is None  # None: the server's batch = the largest concurrency
+    assert args.temperature is None and not args.sampling_mix and args.disconnect_fraction == 0.0
