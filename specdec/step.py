@@ -217,9 +217,51 @@ class StepTimes:
     steps: int = 0
 
 
+@dataclass
+class Prefill:
+    """Rows joining together, whose prompts the target reads a chunk at a time (`Stepper.prefill_chunk`)
+    into a scratch cache, copied into their slots when a row's prompt is read.
+
+    The rows are ordered longest prompt first, so the rows still reading are always the first `left`:
+    a chunk's forward runs over a prefix of the scratch cache (a view), and a row whose prompt is read
+    drops out of later forwards. Every row still reading has read the same `done` positions. The target's
+    hidden states over every chunk are kept: drafters that read the prompt's features (EAGLE) get what
+    one forward over the whole prompts gives."""
+
+    rows: list[Row]  # longest prompt first
+    index: Tensor  # [n] their slots, in that order
+    lengths: list[int]  # their prompt lengths, non-increasing
+    chunk: int | None  # the most tokens (rows x positions) one forward reads; None: whole prompts at once
+    scratch: KVCache  # n rows of lengths[0] slots
+    hidden: Tensor | None = None  # [n, lengths[0], Dm] (allocated by the first chunk, in the target's dtype)
+    done: int = 0  # prompt positions read by every row still reading
+    left: int = field(init=False)  # rows still reading: rows[:left]
+
+    def __post_init__(self) -> None:
+        self.left = len(self.rows)
+
+    @property
+    def finished(self) -> bool:
+        return self.left == 0
+
+
+def sample_first(batch: RowBatch, index: Tensor, logits: Tensor, greedy: bool) -> Tensor:
+    """[k] the first token of rows `index` [k] from their last prompt position's logits [k, V]: the argmax
+    when every one of them is greedy, else each row's own seeded draw (its draw counter advances by one)."""
+    if greedy:
+        return logits.argmax(-1)
+    batch.sampling.max_top_k = batch.sampling_mode()[1]
+    probs = logits_to_probs(logits, batch.sampling.index(index))
+    first = sample(probs, uniforms(batch.seed[index], batch.draws[index], 1)[:, 0])
+    batch.draws[index] += 1
+    return first
+
+
 class Stepper:
-    """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill`
-    and leave with `batch.release`; `launch` enqueues a step and `read` hands its outcome to the rows."""
+    """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill` (whole
+    prompts), or with `start_prefill` and then `prefill_chunk` between steps (a long prompt read while
+    other rows decode), and leave with `batch.release`; `launch` enqueues a step and `read` hands its
+    outcome to the rows."""
 
     def __init__(self, target, drafter: Drafter, batch: RowBatch, cache: KVCache, graphs: bool,
                  decode: Callable[[list[int]], str] | None = None) -> None:
@@ -238,36 +280,63 @@ class Stepper:
     # ---- rows joining --------------------------------------------------------------------------
 
     def prefill(self, slots: list[int], requests: list[Request]) -> list[Row]:
-        """Occupy `slots` with `requests`: one forward over their right-padded prompts (into a scratch cache,
-        copied into the slots), the first token sampled, the drafter told. Runs eagerly, between steps."""
-        batch, dev = self.batch, self.device
+        """Occupy `slots` with `requests` and read their whole prompts: a prefill with no chunk bound, whose
+        one chunk is one forward over them all. The rows, in the order of `slots`."""
+        self.prefill_chunk(self.start_prefill(slots, requests, None))
+        return [self.batch.rows[slot] for slot in slots]
+
+    def start_prefill(self, slots: list[int], requests: list[Request], chunk: int | None) -> Prefill:
+        """Occupy `slots` with `requests`, kept out of steps (inactive) until their prompts are read by
+        `prefill_chunk`: the slots are taken, and steps meanwhile leave them alone."""
+        if chunk is not None and chunk < len(slots):
+            raise ValueError(f"a prefill chunk of {chunk} tokens cannot read a token of each of {len(slots)} rows")
+        batch = self.batch
         rows = batch.occupy(slots, requests)
-        batch.sampling.max_top_k = batch.sampling_mode()[1]
-        index = torch.tensor(slots, device=dev)  # [n]
-        lengths = batch.prompt_length[index]  # [n]
-        T = max(len(r.prompt) for r in requests)
-        scratch = self.target.new_cache(len(slots), T)
-        block = batch.tokens[index, :T]  # [n, T]
-        out = self.target(block, torch.arange(T, device=dev).expand_as(block), scratch, logits_at=lengths - 1)
-        self.cache.k[:, index, :, :T] = scratch.k
-        self.cache.v[:, index, :, :T] = scratch.v
-        self.cache.lengths[index] = lengths
-        logits = out.logits[:, 0]  # [n, V]
-        if any(not r.sampling.greedy for r in requests):
-            probs = logits_to_probs(logits, batch.sampling.index(index))
-            first = sample(probs, uniforms(batch.seed[index], batch.draws[index], 1)[:, 0])
-            batch.draws[index] += 1
-        else:
-            first = logits.argmax(-1)
-        emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=dev)
-        emitted[index, 0] = first
-        joining = torch.zeros(batch.capacity, dtype=torch.long, device=dev)
+        order = sorted(range(len(rows)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
+        index = torch.tensor([slots[i] for i in order], device=self.device)  # [n]
+        batch.active[index] = False
+        lengths = [len(requests[i].prompt) for i in order]
+        return Prefill([rows[i] for i in order], index, lengths, chunk, self.target.new_cache(len(rows), lengths[0]))
+
+    def prefill_chunk(self, prefill: Prefill) -> list[Row]:
+        """Read the next positions of the prompts still being read, in one forward of at most prefill.chunk
+        tokens (rows x positions). The rows whose prompt this chunk ends join the batch (see join_read) and
+        are returned. Runs eagerly, between steps."""
+        p, dev = prefill, self.device
+        m, start = p.left, p.done
+        width = p.lengths[0] - start if p.chunk is None else min(p.lengths[0] - start, p.chunk // m)
+        block = self.batch.tokens[p.index[:m], start : start + width]  # [m, w]
+        positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
+        last = (torch.tensor(p.lengths[:m], device=dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
+        out = self.target(block, positions, p.scratch.head(m), logits_at=last)
+        if p.hidden is None:
+            p.hidden = out.hidden.new_empty(len(p.rows), p.lengths[0], out.hidden.shape[-1])  # [n, T, Dm]
+        p.hidden[:m, start : start + width] = out.hidden
+        p.done = start + width
+        p.left = sum(n > p.done for n in p.lengths)
+        return self.join_read(p, p.left, m, out.logits[p.left : m, 0]) if p.left < m else []
+
+    def join_read(self, prefill: Prefill, lo: int, hi: int, logits: Tensor) -> list[Row]:
+        """Rows lo..hi-1 of a prefill have read their prompts: their keys and values go into their slots of
+        the target cache, each samples its first token from its last prompt position's logits [hi-lo, V]
+        (argmax, or its own seeded draw), appends it, and the drafter is told, with the target's hidden
+        states over their right-padded prompts, exactly as when the whole prompts are read in one forward."""
+        batch, p = self.batch, prefill
+        index, T = p.index[lo:hi], p.lengths[lo]  # [k]; the longest of these prompts
+        self.cache.k[:, index, :, :T] = p.scratch.k[:, lo:hi, :, :T]
+        self.cache.v[:, index, :, :T] = p.scratch.v[:, lo:hi, :, :T]
+        self.cache.lengths[index] = batch.prompt_length[index]
+        batch.active[index] = True
+        rows = p.rows[lo:hi]
+        emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=self.device)
+        emitted[index, 0] = sample_first(batch, index, logits, all(r.request.sampling.greedy for r in rows))
+        joining = torch.zeros(batch.capacity, dtype=torch.long, device=self.device)
         joining[index] = 1
         kept, finish = append(batch, emitted, joining)
-        self.drafter.join(batch, index, out.hidden)
+        self.drafter.join(batch, index, p.hidden[lo:hi, :T])
         zeros = torch.zeros_like(kept)
         packed = torch.cat([emitted, torch.stack([kept, zeros, zeros, zeros, finish], dim=1)], dim=1)
-        self.absorb(packed.tolist(), only=set(slots))
+        self.absorb(packed.tolist(), only={r.slot for r in rows})
         return rows
 
     def reset(self) -> None:
@@ -382,10 +451,12 @@ class Stepper:
         return report
 
     def absorb(self, packed: list[list[int]], only: set[int] | None = None) -> list[RowStep]:
-        """Append each running row's emitted tokens, apply stop strings, count the step, note finishes."""
+        """Append each running row's emitted tokens, apply stop strings, count the step, note finishes.
+        `packed` covers this stepper's slots; rows beyond them (a view of the first slots, while a row
+        further on is being prefilled) took no part."""
         steps = []
         for slot, row in self.batch.rows.items():
-            if row.finished or (only is not None and slot not in only):
+            if row.finished or slot >= len(packed) or (only is not None and slot not in only):
                 continue
             values = packed[slot]
             D = len(values) - 5
