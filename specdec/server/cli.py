@@ -24,6 +24,8 @@ def add_server_commands(sub) -> None:
     s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
     s.add_argument("--max-queue", type=int, default=256, help="most requests waiting for the batch; beyond: HTTP 429")
     s.add_argument("--context", type=int, default=None, help="tokens per request, prompt + max_tokens (default: the model's, at most 2048)")
+    s.add_argument("--prefill-chunk", type=int, default=512,
+                   help="most prompt tokens read between two decode steps (new requests do not stall running ones)")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that gives none")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -78,7 +80,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     check_drafter_args(args)
     check_policy(args.spec_policy, args.gamma, args.spec_threshold)
-    for name in ("max_batch", "default_max_tokens", "max_body_bytes"):
+    for name in ("max_batch", "default_max_tokens", "max_body_bytes", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
@@ -116,7 +118,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                              extra=drafter_extra(args))
     drafter = build_drafter(args.drafter, target, options)
-    config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context)
+    config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
+                             prefill_chunk=args.prefill_chunk)
     scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config)
     device = describe_device(target)
     settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,

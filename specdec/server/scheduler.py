@@ -3,14 +3,24 @@ leave between steps.
 
 The batch is a RowBatch of max_batch slots (specdec/batch.py) and each step is the shared speculative
 step (specdec/step.py), the same one `SpecEngine` runs: every drafter works here, stateful ones too
-(they keep per-slot state and are told when a row joins). A request takes the lowest free slot and
-is prefilled with the others admitted at the same time (one batched forward); a finished, cancelled
-or failed row frees its slot. A step runs over the first n slots, n the smallest bucket (1, 2, 4, ...)
-holding every occupied slot, so a nearly idle server does not pay for max_batch rows; on CUDA each
-bucket and step shape is a captured graph. The speculation policy (policy.py) picks one gamma for
-the batch; the step caps it per row by what the row may still emit, verifies every row in one
-forward with ragged acceptance and each request's own sampling parameters and seed, and stops rows
-at EOS, max_tokens or a stop string (one implementation, batch.py).
+(they keep per-slot state and are told when a row joins). A finished, cancelled or failed row frees its
+slot. A step runs over the first n slots, n the smallest bucket (1, 2, 4, ...) holding every running
+row, so a nearly idle server does not pay for max_batch rows; on CUDA each bucket and step shape is a
+captured graph. The speculation policy (policy.py) picks one gamma for the batch; the step caps it
+per row by what the row may still emit, verifies every row in one forward with ragged acceptance and
+each request's own sampling parameters and seed, and stops rows at EOS, max_tokens or a stop string
+(one implementation, batch.py).
+
+Chunked prefill: new requests do not stall running ones. Waiting requests take the lowest free slots
+and form a prefill group (at most `prefill_chunk` of them, so that every chunk reads a token of each);
+the target reads their prompts `prefill_chunk` tokens at a time (rows x positions, the rows batched in
+one forward per chunk, longest prompts first). Each turn of the decode loop reads at most one chunk,
+then runs one step over the rows that are ready: a step never waits for more than one chunk (plus,
+when a row's prompt ends, the drafter reading that prompt: an EAGLE head or a draft model over it).
+A group's rows hold their slots but stay inactive, so steps leave them alone, until their own prompt
+is read; then each samples its first token and joins the running rows at the next step, while the
+group's longer prompts are still being read. Requests arriving meanwhile wait for the next group. A
+request cancelled while its prompt is read leaves once the read ends.
 
 Seeds: a sampled request draws its random numbers from a counter-based generator keyed by its own
 seed, so the same seed and the same speculation schedule (gamma per step) give the same text whatever
@@ -37,7 +47,7 @@ from specdec.config import SamplingParams
 from specdec.drafters import Drafter
 from specdec.server.metrics import ServerMetrics
 from specdec.server.policy import Acceptance, SpecPolicy
-from specdec.step import Stepper, StepReport, new_stepper
+from specdec.step import Prefill, Stepper, StepReport, new_stepper
 
 log = logging.getLogger("specdec.server")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -138,6 +148,11 @@ class SchedulerConfig:
     max_batch: int = 32
     max_queue: int = 256
     context: int = 2048  # prompt + max_tokens per request
+    prefill_chunk: int = 512  # the most prompt tokens (rows x positions) one prefill forward reads between steps
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
 def bucket_for(slots: int, max_batch: int) -> int:
@@ -157,6 +172,8 @@ class Scheduler:
         self.batch = self.full.batch
         self.steppers: dict[int, Stepper] = {config.max_batch: self.full}
         self.running: dict[int, Serving] = {}  # slot -> request
+        self.prefill: Prefill | None = None  # the group whose prompts are being read
+        self.joining: dict[int, GenerationRequest] = {}  # slot -> request of the group, until its prompt is read
         self.waiting: deque[GenerationRequest] = deque()
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
@@ -166,7 +183,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests holding a slot: decoding, or their prompt being read."""
+        return len(self.running) + len(self.joining)
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -217,16 +235,18 @@ class Scheduler:
         fail the rest ("the server is shutting down") and end the decode thread."""
         with self.cond:
             self.draining = True
-            self.cond.wait_for(lambda: not self.running and not self.waiting, timeout=drain_s)
+            self.cond.wait_for(lambda: not self.running and not self.joining and not self.waiting, timeout=drain_s)
             self.stopping = True
             self.cond.notify_all()
         if self.thread is not None:
             self.thread.join()
         for serving in self.running.values():
             self.finish_with_error(serving.request, "the server is shutting down")
-        for request in self.waiting:
+        for request in [*self.joining.values(), *self.waiting]:
             self.finish_with_error(request, "the server is shutting down")
         self.running.clear()
+        self.joining.clear()
+        self.prefill = None
         self.waiting.clear()
         self.full.reset()
 
@@ -234,19 +254,26 @@ class Scheduler:
 
     def loop(self) -> None:
         while self.wait_for_work():
-            try:
-                self.drop_cancelled()
-                self.admit()
-                if self.running:
-                    self.step()
-            except Exception as e:  # a bug outside any one request: fail the batch, keep serving
-                log.exception("decode loop error")
-                for slot in list(self.running):
-                    self.fail(slot, f"internal error: {e}")
+            self.turn()
+
+    def turn(self) -> None:
+        """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready."""
+        try:
+            self.drop_cancelled()
+            self.admit()
+            if self.prefill is not None:
+                self.read_chunk()
+            if self.running:
+                self.step()
+        except Exception as e:  # a bug outside any one request: fail the batch, keep serving
+            log.exception("decode loop error")
+            self.fail_joining(f"internal error: {e}")
+            for slot in list(self.running):
+                self.fail(slot, f"internal error: {e}")
 
     def wait_for_work(self) -> bool:
         with self.cond:
-            while not self.stopping and (self.paused or not (self.running or self.waiting)):
+            while not self.stopping and (self.paused or not (self.running or self.joining or self.waiting)):
                 self.idle = True
                 self.cond.notify_all()
                 self.cond.wait()
@@ -261,29 +288,51 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
 
     def admit(self) -> None:
-        """Prefill as many waiting requests as there are free slots, in one batched forward."""
+        """Start a prefill group of waiting requests in free slots, unless one is being read."""
+        if self.prefill is not None:
+            return
         free = self.batch.free_slots()
         with self.cond:
-            joining = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
-        if not joining:
+            n = min(len(free), len(self.waiting), self.config.prefill_chunk)
+            self.joining = {slot: self.waiting.popleft() for slot in free[:n]}
+        if not self.joining:
             return
-        slots = free[: len(joining)]
-        requests = [Request(r.prompt_ids, r.max_tokens, r.sampling, r.stop) for r in joining]
+        slots, requests = list(self.joining), [Request(r.prompt_ids, r.max_tokens, r.sampling, r.stop)
+                                               for r in self.joining.values()]
         try:
-            rows = self.full.prefill(slots, requests)
+            self.prefill = self.full.start_prefill(slots, requests, self.config.prefill_chunk)
         except Exception as e:
             log.exception("prefill failed")
-            for slot, request in zip(slots, joining):
-                if slot in self.batch.rows:
-                    self.batch.release(slot)
-                self.finish_with_error(request, f"prefill failed: {type(e).__name__}: {e}")
+            self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
+
+    def read_chunk(self) -> None:
+        """Read one chunk of the group's prompts; the rows whose prompt it ends start running."""
+        try:
+            rows = self.full.prefill_chunk(self.prefill)
+        except Exception as e:
+            log.exception("prefill failed")
+            self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
             return
+        if self.prefill.finished:
+            self.prefill = None
         now = time.monotonic()
-        for request, row in zip(joining, rows):
+        for row in rows:
+            request = self.joining.pop(row.slot)
             serving = self.running[row.slot] = Serving(request, row, Acceptance.empty(self.policy.gamma), last_emit=now)
             self.metrics.count_prompt(len(request.prompt_ids))
             self.emit(serving, row.generated)
         self.remove_finished()
+
+    def fail_joining(self, message: str) -> None:
+        """Fail the requests of the prefill group whose prompt is not read yet, and free their slots."""
+        for slot, request in self.joining.items():
+            if slot in self.batch.rows:
+                self.batch.release(slot)
+            self.finish_with_error(request, message)
+        self.joining.clear()
+        self.prefill = None
+        with self.cond:
+            self.cond.notify_all()
 
     def step(self) -> None:
         slots = sorted(self.running)
