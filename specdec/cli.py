@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(d)
     d.add_argument("--limit", type=int, default=4, help="gsm8k-eval prompts advise measures")
     d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--budget-s", type=float, default=110.0, help="advise's time budget in seconds")
+    d.add_argument("--budget-s", type=float, default=120.0, help="advise's time budget in seconds")
     d.add_argument("--out", default="runs/demo", help="folder for advise's pages")
 
     from specdec.server.cli import add_server_commands

@@ -1,4 +1,4 @@
-"""Counters of a decode and the rates derived from them (names as in DESIGN.md).
+"""Counters of a decode and the rates derived from them (names as in docs/design.md, "Vocabulary").
 
 - acceptance rate = accepted / drafted, overall and per draft position;
 - mean accepted length tau = tokens emitted by decode steps / decode steps (plain decoding: tau = 1).

@@ -194,3 +194,21 @@ def test_advise_bad_input(capsys):
     assert "unknown drafter" in capsys.readouterr().err
     assert main(["advise", "--budget-s", "-1"]) == 2
     assert "--budget-s must be > 0" in capsys.readouterr().err
+
+
+def test_fit_budget_drops_peers_then_extra_gammas_then_drafters():
+    from specdec.advise.measure import AGAIN, fit_budget
+    from specdec.bench.runner import PLAIN, Method
+
+    methods = [Method(PLAIN, "specdec", "none"), Method(AGAIN, "specdec", "none"), Method("hf", "hf"),
+               Method("specdec/ngram/2", "specdec", "ngram", 2), Method("specdec/ngram/4", "specdec", "ngram", 4),
+               Method("specdec/eagle/3", "specdec", "eagle", 3), Method("specdec/lookahead/4", "specdec", "lookahead", 4)]
+    estimate = {PLAIN: 3, AGAIN: 3, "hf": 9, "specdec/ngram/2": 2, "specdec/ngram/4": 4, "specdec/eagle/3": 2,
+                "specdec/lookahead/4": 5}
+    names = lambda kept: [m.name for m in kept]  # noqa: E731
+    assert names(fit_budget(methods, estimate, 1e9, 3, [])) == names(methods)
+    notes: list[str] = []
+    kept = fit_budget(methods, estimate, 3 * 13, 3, notes)  # 28 s a round; 13 fit
+    assert names(kept) == [PLAIN, AGAIN, "specdec/ngram/2", "specdec/eagle/3"]
+    assert [n.split(":")[0] for n in notes] == ["hf", "specdec/ngram/4", "specdec/lookahead/4"]
+    assert names(fit_budget(methods, estimate, 0, 3, [])) == [PLAIN, AGAIN, "specdec/ngram/2", "specdec/eagle/3"]

@@ -1,4 +1,4 @@
-"""Same seed, same output (DESIGN.md doctrine 3); different seeds, different samples."""
+"""Same seed, same output (docs/design.md, "Random numbers"); different seeds, different samples."""
 
 from __future__ import annotations
 

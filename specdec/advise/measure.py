@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -50,6 +51,7 @@ GAMMAS = {"ngram": (2, 4), "layer_skip": (2, 4), "quantized": (2, 4), "draft_mod
 LOAD_TOKENS = 32  # new tokens per row when measuring throughput at a batch size
 WARMUP_TOKENS = 16
 CPU_BUDGET_S, GPU_BUDGET_S = 300.0, 60.0
+MIN_ROUNDS = 3  # prompts every kept configuration should get within the budget
 RESERVE = 0.2  # of the budget, kept for the load and cost measurements after the rounds
 
 
@@ -133,11 +135,12 @@ def drafter_memory_mb(engine, target) -> float:
 
 
 def run_round(runner: Runner, methods: list[Method], task, prompt: list[int], max_new_tokens: int, bar,
-              clock: Clock) -> list[RunRecord] | None:
-    """Every method once on one prompt; None when the budget ran out mid-round (the round is dropped)."""
+              clock: Clock, first: bool) -> list[RunRecord] | None:
+    """Every method once on one prompt; None when the budget ran out mid-round (the round is dropped).
+    The first round always finishes: without it there is nothing to advise from."""
     records = []
     for method in methods:
-        if clock.left <= 0:
+        if clock.left <= 0 and not first:
             return None
         bar.set_postfix_str(method.name)
         ids, wall, stats = runner.run(method, prompt, max_new_tokens)
@@ -149,6 +152,27 @@ def run_round(runner: Runner, methods: list[Method], task, prompt: list[int], ma
         bar.n = min(round(clock.elapsed), bar.total)
         bar.refresh()
     return records
+
+
+def fit_budget(methods: list[Method], estimate: dict[str, float], available_s: float, rounds: int,
+               notes: list[str]) -> list[Method]:
+    """Drop methods until `rounds` rounds fit in the time available: peers first, then a drafter's
+    extra gammas, then whole drafters, each time the one slowest in the warm-up (the least likely to win).
+    Plain decoding and its repeat always stay, and at least two speculative configurations."""
+    kept = list(methods)
+    while sum(estimate[m.name] for m in kept) * rounds > available_s:
+        spec = [m for m in kept if m.family == "specdec" and m.drafter != "none"]
+        per_drafter = Counter(m.drafter for m in spec)
+        pools = ([m for m in kept if m.family != "specdec"], [m for m in spec if per_drafter[m.drafter] > 1],
+                 spec if len(spec) > 2 else [])
+        pool = next((p for p in pools if p), None)
+        if pool is None:
+            break
+        victim = max(pool, key=lambda m: estimate[m.name])
+        kept.remove(victim)
+        notes.append(f"{victim.name}: not measured, to fit {rounds} prompts in the budget "
+                     f"(its warm-up predicted {estimate[victim.name]:.1f} s a prompt)")
+    return kept
 
 
 def per_prompt_speedups(records: list[RunRecord], name: str) -> dict[str, float]:
@@ -270,10 +294,14 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
     prompts = [runner.encode(t) for t in tasks]
     planned = list(methods)  # screening drops from `methods`; what it dropped keeps its prompts
 
+    warm = min(WARMUP_TOKENS, config.max_new_tokens)
+    estimate = {}  # seconds a run of each method is expected to take, from its warm-up
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
-        runner.run(method, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens))
+        ids, wall, _ = runner.run(method, prompts[0], warm)
+        estimate[method.name] = wall * config.max_new_tokens / max(len(ids), 1)
 
     reserve = RESERVE * clock.budget_s  # load and cost measurements after the rounds
+    methods = fit_budget(methods, estimate, clock.left - reserve, min(MIN_ROUNDS, len(tasks)), notes)
     records: list[RunRecord] = []
     round_s = 0.0
     with tqdm(total=round(clock.budget_s), desc="advise", unit="s", disable=not progress) as bar:
@@ -282,7 +310,7 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
                 notes.append(f"rounds: stopped after {i} of {len(tasks)} prompts (budget)")
                 break
             t = time.perf_counter()
-            done = run_round(runner, methods, task, prompt, config.max_new_tokens, bar, clock)
+            done = run_round(runner, methods, task, prompt, config.max_new_tokens, bar, clock, first=i == 0)
             if done is None:
                 notes.append(f"rounds: prompt {i + 1} dropped unfinished (budget)")
                 break
@@ -290,8 +318,6 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
             round_s = time.perf_counter() - t
             if i >= 1:
                 methods = screen(methods, records, notes)
-        if not records:
-            raise UserError(f"the budget of {clock.budget_s:.0f} s ended before one prompt was measured; raise --budget-s")
 
         measured = [m for m in methods if m.family == "specdec" and m.name != AGAIN]
         calibration = calibrate(runner, prompts, records, measured)

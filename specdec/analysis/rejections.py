@@ -16,7 +16,7 @@ None for deterministic drafters (ngram, and every drafter under greedy decoding)
 target top-1 probability, p(draft token) and p/q, with fixed bucket edges so that two runs (say a
 drafter before and after training) compare row by row. Rates inside groups are over verified drafts:
 `verified_acceptance_rate` = accepted / verified and `rejection_rate` = rejected / verified. The
-DESIGN.md acceptance rate, accepted / drafted, appears where drafted is defined (overall, per draft
+docs/design.md's acceptance rate, accepted / drafted, appears where drafted is defined (overall, per draft
 position). The JSON layout is documented in `ANALYSIS_SCHEMA` and versioned by `SCHEMA`.
 """
 
@@ -72,7 +72,7 @@ ANALYSIS_SCHEMA = {
     "bucket row": "a group row plus lo, hi: the bucket holds lo <= x < hi (the last one also x == hi); "
     "hi is null for +infinity",
     "position row": "a group row plus drafted, not_reached (drafted after a rejection in the same step, "
-    "never verified) and acceptance_rate = accepted / drafted (DESIGN.md's per-position acceptance rate)",
+    "never verified) and acceptance_rate = accepted / drafted (the per-position acceptance rate of docs/design.md)",
 }
 
 
