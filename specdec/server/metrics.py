@@ -1,6 +1,6 @@
 """Server metrics in the Prometheus text exposition format (0.0.4), without a client library.
 
-Names follow DESIGN.md: drafted / accepted draft tokens, acceptance per draft position (1-based
+Names follow docs/design.md ("Vocabulary"): drafted / accepted draft tokens, acceptance per draft position (1-based
 `position` label), steps = batched target verification forwards. Inter-token latency is per output
 token: a step that hands a request n tokens after a gap of g seconds records g / n, n times (so
 speculation shows up as shorter inter-token latency). Time to first token runs from the request's
