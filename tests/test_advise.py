@@ -203,12 +203,16 @@ def test_fit_budget_drops_peers_then_extra_gammas_then_drafters():
     methods = [Method(PLAIN, "specdec", "none"), Method(AGAIN, "specdec", "none"), Method("hf", "hf"),
                Method("specdec/ngram/2", "specdec", "ngram", 2), Method("specdec/ngram/4", "specdec", "ngram", 4),
                Method("specdec/eagle/3", "specdec", "eagle", 3), Method("specdec/lookahead/4", "specdec", "lookahead", 4)]
-    estimate = {PLAIN: 3, AGAIN: 3, "hf": 9, "specdec/ngram/2": 2, "specdec/ngram/4": 4, "specdec/eagle/3": 2,
-                "specdec/lookahead/4": 5}
+    seconds = {PLAIN: 3, AGAIN: 3, "hf": 9, "specdec/ngram/2": 2, "specdec/ngram/4": 4, "specdec/eagle/3": 2,
+               "specdec/lookahead/4": 5}
+    speedup = {"specdec/ngram/2": 1.3, "specdec/ngram/4": 1.1, "specdec/eagle/3": 1.2, "specdec/lookahead/4": 0.7}
     names = lambda kept: [m.name for m in kept]  # noqa: E731
-    assert names(fit_budget(methods, estimate, 1e9, 3, [])) == names(methods)
+    assert names(fit_budget(methods, seconds, speedup, 1e9, 2, [])) == names(methods)
     notes: list[str] = []
-    kept = fit_budget(methods, estimate, 3 * 13, 3, notes)  # 28 s a round; 13 fit
+    kept = fit_budget(methods, seconds, speedup, 2 * 13, 2, notes)  # 28 s a round; 13 fit
     assert names(kept) == [PLAIN, AGAIN, "specdec/ngram/2", "specdec/eagle/3"]
     assert [n.split(":")[0] for n in notes] == ["hf", "specdec/ngram/4", "specdec/lookahead/4"]
-    assert names(fit_budget(methods, estimate, 0, 3, [])) == [PLAIN, AGAIN, "specdec/ngram/2", "specdec/eagle/3"]
+    # the slower drafter goes, whatever its time: eagle (1.2x) stays over ngram/4 (1.1x) among extras
+    speedup["specdec/ngram/2"] = 0.9
+    kept = fit_budget(methods, seconds, speedup, 0, 2, [])
+    assert names(kept) == [PLAIN, AGAIN, "specdec/ngram/4", "specdec/eagle/3"]

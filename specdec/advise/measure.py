@@ -5,7 +5,10 @@ decisions need beyond a bench:
 - rounds: every method runs on one prompt per round, interleaved (A B C A B C ...), and rounds go on
   while the budget allows (the last round is kept only if it finished). Plain decoding runs twice
   per round: the second run against the first gives the timing noise of this machine;
-- screening: from the third round on, a configuration whose best prompt is slower than the leader's
+- fitting the budget: after the first round, when the rest of the budget cannot give every configuration
+  MIN_ROUNDS prompts, the ones slowest on the first prompt are measured no further (peers first, then
+  a drafter's extra gammas, then whole drafters);
+- screening: from the second round on, a configuration whose best prompt is slower than the leader's
   worst is dropped (it keeps the prompts it has), so the budget goes to the contenders;
 - load: for the configuration the decision tree would pick (and the fastest, if another), rows
   decoded together at each asked concurrency, plain and speculative, short outputs: throughput
@@ -49,7 +52,7 @@ AGAIN = "specdec/none/again"  # plain decoding's second run per round: the noise
 GAMMAS = {"ngram": (2, 4), "layer_skip": (2, 4), "quantized": (2, 4), "draft_model": (2, 4), "lookahead": (4,),
           "medusa": (3,), "eagle": (3, 5)}
 LOAD_TOKENS = 32  # new tokens per row when measuring throughput at a batch size
-WARMUP_TOKENS = 16
+WARMUP_TOKENS = 8  # enough to compile kernels and capture graphs
 CPU_BUDGET_S, GPU_BUDGET_S = 300.0, 60.0
 MIN_ROUNDS = 3  # prompts every kept configuration should get within the budget
 RESERVE = 0.2  # of the budget, kept for the load and cost measurements after the rounds
@@ -154,24 +157,27 @@ def run_round(runner: Runner, methods: list[Method], task, prompt: list[int], ma
     return records
 
 
-def fit_budget(methods: list[Method], estimate: dict[str, float], available_s: float, rounds: int,
-               notes: list[str]) -> list[Method]:
-    """Drop methods until `rounds` rounds fit in the time available: peers first, then a drafter's
-    extra gammas, then whole drafters, each time the one slowest in the warm-up (the least likely to win).
-    Plain decoding and its repeat always stay, and at least two speculative configurations."""
+def fit_budget(methods: list[Method], seconds: dict[str, float], speedup: dict[str, float], available_s: float,
+               rounds: int, notes: list[str]) -> list[Method]:
+    """After the first round: drop methods until `rounds` more rounds fit in the time available (each
+    method's time from the first round). Peers go first, then a drafter's extra gammas, then whole
+    drafters, each time the configuration slowest against plain on the first prompt. Plain decoding
+    and its repeat always stay, and at least two speculative configurations."""
     kept = list(methods)
-    while sum(estimate[m.name] for m in kept) * rounds > available_s:
+    while sum(seconds.get(m.name, 0.0) for m in kept) * rounds > available_s:
         spec = [m for m in kept if m.family == "specdec" and m.drafter != "none"]
         per_drafter = Counter(m.drafter for m in spec)
-        pools = ([m for m in kept if m.family != "specdec"], [m for m in spec if per_drafter[m.drafter] > 1],
-                 spec if len(spec) > 2 else [])
-        pool = next((p for p in pools if p), None)
-        if pool is None:
+        peers = [m for m in kept if m.family != "specdec"]
+        pools = [[m for m in spec if per_drafter[m.drafter] > 1], spec if len(spec) > 2 else []]
+        if peers:
+            victim = max(peers, key=lambda m: seconds.get(m.name, 0.0))
+        elif pool := next((p for p in pools if p), None):
+            victim = min(pool, key=lambda m: speedup.get(m.name, 0.0))  # unmeasured counts as slowest
+        else:
             break
-        victim = max(pool, key=lambda m: estimate[m.name])
         kept.remove(victim)
-        notes.append(f"{victim.name}: not measured, to fit {rounds} prompts in the budget "
-                     f"(its warm-up predicted {estimate[victim.name]:.1f} s a prompt)")
+        first = f", {speedup[victim.name]:.2f}x plain on the first prompt" if victim.name in speedup else ""
+        notes.append(f"{victim.name}: measured on one prompt only, to fit {rounds + 1} prompts in the budget{first}")
     return kept
 
 
@@ -294,14 +300,10 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
     prompts = [runner.encode(t) for t in tasks]
     planned = list(methods)  # screening drops from `methods`; what it dropped keeps its prompts
 
-    warm = min(WARMUP_TOKENS, config.max_new_tokens)
-    estimate = {}  # seconds a run of each method is expected to take, from its warm-up
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
-        ids, wall, _ = runner.run(method, prompts[0], warm)
-        estimate[method.name] = wall * config.max_new_tokens / max(len(ids), 1)
+        runner.run(method, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens))
 
     reserve = RESERVE * clock.budget_s  # load and cost measurements after the rounds
-    methods = fit_budget(methods, estimate, clock.left - reserve, min(MIN_ROUNDS, len(tasks)), notes)
     records: list[RunRecord] = []
     round_s = 0.0
     with tqdm(total=round(clock.budget_s), desc="advise", unit="s", disable=not progress) as bar:
@@ -309,15 +311,19 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
             if i and clock.left - reserve < round_s:
                 notes.append(f"rounds: stopped after {i} of {len(tasks)} prompts (budget)")
                 break
-            t = time.perf_counter()
             done = run_round(runner, methods, task, prompt, config.max_new_tokens, bar, clock, first=i == 0)
             if done is None:
                 notes.append(f"rounds: prompt {i + 1} dropped unfinished (budget)")
                 break
             records += done
-            round_s = time.perf_counter() - t
-            if i >= 1:
+            if i == 0:
+                seconds = {r.method: r.wall_s for r in done}
+                first = {m.name: v for m in methods if (v := per_prompt_speedups(done, m.name).get(task.id))}
+                methods = fit_budget(methods, seconds, first, clock.left - reserve, min(MIN_ROUNDS, len(tasks)) - 1,
+                                     notes)
+            else:
                 methods = screen(methods, records, notes)
+            round_s = sum(r.wall_s for r in done if r.method in {m.name for m in methods})
 
         measured = [m for m in methods if m.family == "specdec" and m.name != AGAIN]
         calibration = calibrate(runner, prompts, records, measured)
