@@ -216,3 +216,12 @@ def test_fit_budget_drops_peers_then_extra_gammas_then_drafters():
     speedup["specdec/ngram/2"] = 0.9
     kept = fit_budget(methods, seconds, speedup, 0, 2, [])
     assert names(kept) == [PLAIN, AGAIN, "specdec/ngram/4", "specdec/eagle/3"]
+
+
+def test_a_configuration_dropped_early_is_shown_but_not_recommended():
+    partial = option("eagle", 1.9, prompts=1)  # fast on the one prompt it got before it was dropped
+    m = table(partial, option("ngram", 1.3, batch=PAYS_TO_8), option("medusa", 1.2))
+    assert build_tree(m).recommendation.option.drafter == "ngram"
+    from specdec.advise.render import summary_md
+
+    assert "1.90× (1.90-1.90, 1 prompt(s) only)" in summary_md(m)

@@ -4,7 +4,8 @@ It is a budgeted `specdec bench` (same Runner, records and summaries, bench/runn
 decisions need beyond a bench:
 - rounds: every method runs on one prompt per round, interleaved (A B C A B C ...), and rounds go on
   while the budget allows (the last round is kept only if it finished). Plain decoding runs twice
-  per round: the second run against the first gives the timing noise of this machine;
+  per round, first and last: the two runs against each other give the timing noise of this machine
+  (drift within a round included), and their mean is the baseline of every speedup on that prompt;
 - fitting the budget: after the first round, when the rest of the budget cannot give every configuration
   MIN_ROUNDS prompts, the ones slowest on the first prompt are measured no further (peers first, then
   a drafter's extra gammas, then whole drafters);
@@ -18,6 +19,7 @@ decisions need beyond a bench:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import Counter
@@ -104,10 +106,10 @@ class Clock:
 
 
 def plan(drafters: list[str]) -> list[Method]:
-    methods = [Method(PLAIN, "specdec", "none", 0), Method(AGAIN, "specdec", "none", 0)]
+    methods = [Method(PLAIN, "specdec", "none", 0)]
     for d in drafters:
         methods += [Method(f"specdec/{d}/{g}", "specdec", d, g) for g in GAMMAS.get(d, (4,))]
-    return methods
+    return methods + [Method(AGAIN, "specdec", "none", 0)]  # plain first and last: they bracket each round
 
 
 def add_engines(runner: Runner, methods: list[Method], notes: list[str]) -> list[Method]:
@@ -182,8 +184,11 @@ def fit_budget(methods: list[Method], seconds: dict[str, float], speedup: dict[s
 
 
 def per_prompt_speedups(records: list[RunRecord], name: str) -> dict[str, float]:
-    mine, base = per_prompt(records, name), per_prompt(records, PLAIN)
-    return {t: median_speed(mine[t]) / median_speed(base[t]) for t in mine if t in base and median_speed(base[t]) > 0}
+    """Per prompt: tokens/s / plain decoding's (the mean of its two runs, which bracket the round)."""
+    mine = per_prompt(records, name)
+    plain, again = per_prompt(records, PLAIN), per_prompt(records, AGAIN)
+    base = {t: statistics.mean(r.tokens_per_s for r in plain[t] + again.get(t, [])) for t in plain}
+    return {t: median_speed(mine[t]) / base[t] for t in mine if t in base and base[t] > 0}
 
 
 def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) -> list[Method]:
@@ -202,12 +207,12 @@ def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) ->
 
 
 def relative_noise(records: list[RunRecord]) -> float:
-    """Timing spread of plain decoding against itself: the median |log(run2 / run1)| over prompts."""
-    ratios = list(per_prompt_speedups(records, AGAIN).values())
+    """Timing spread of plain decoding against itself: the median over prompts of |log(last / first)|,
+    its two runs bracketing each round (so drift within a round counts as noise)."""
+    first, last = per_prompt(records, PLAIN), per_prompt(records, AGAIN)
+    ratios = [median_speed(last[t]) / median_speed(first[t]) for t in first if t in last]
     if not ratios:
         return 0.0
-    import math
-
     return math.exp(statistics.median(abs(math.log(r)) for r in ratios)) - 1
 
 

@@ -2,9 +2,9 @@
 (render.py), and what `measurements.json` holds. Tests build these tables by hand.
 
 Speedups are per-prompt ratios of tokens/s to plain decoding of the same target on the same prompt
-in the same run (medians over prompts). `noise` is the relative timing spread of plain decoding
-measured against itself (the same prompts run twice per round): differences within it are not
-differences.
+in the same run (medians over prompts); plain's speed on a prompt is the mean of its two runs there.
+`noise` is the relative timing spread of plain decoding measured against itself (first and last in
+each round): differences within it are not differences.
 """
 
 from __future__ import annotations
@@ -77,13 +77,19 @@ class Measurements:
         """Plain decode time of a typical answer."""
         return self.ms_per_token * self.output_tokens
 
-    def best(self) -> Option | None:
-        return max(self.options, key=lambda o: o.speedup, default=None)
+    def finalists(self) -> list[Option]:
+        """The configurations measured on every prompt of the run: only they are compared (one dropped
+        after the first prompts is shown, but a median over other prompts is no match for theirs)."""
+        most = max((len(o.per_prompt) for o in self.options), default=0)
+        return [o for o in self.options if len(o.per_prompt) == most]
 
-    def best_per_drafter(self) -> list[Option]:
-        """Each drafter's fastest configuration, fastest first."""
+    def best(self) -> Option | None:
+        return max(self.finalists(), key=lambda o: o.speedup, default=None)
+
+    def best_per_drafter(self, options: list[Option] | None = None) -> list[Option]:
+        """Each drafter's fastest configuration among `options` (default: the finalists), fastest first."""
         best: dict[str, Option] = {}
-        for o in self.options:
+        for o in self.finalists() if options is None else options:
             if o.drafter not in best or o.speedup > best[o.drafter].speedup:
                 best[o.drafter] = o
         return sorted(best.values(), key=lambda o: -o.speedup)

@@ -38,12 +38,14 @@ def fmt(x: float | None, spec: str = ".2f", none: str = "-") -> str:
 
 
 def matrix_rows(m: Measurements) -> list[list[str]]:
-    best = {o.drafter: o for o in m.best_per_drafter()}
+    final = {o.drafter: o for o in m.best_per_drafter()}
+    partial = {o.drafter: o for o in m.best_per_drafter(m.options)}
     rows = []
     for drafter, f in sorted(FAMILIES.items(), key=lambda kv: kv[1].complexity):
-        o = best.get(drafter)
+        o = final.get(drafter) or partial.get(drafter)
+        prompts = "" if drafter in final else f", {len(o.per_prompt)} prompt(s) only" if o else ""
         measured = ["not measured"] + ["-"] * 6 if o is None else [
-            f"γ{o.gamma}", fmt(o.alpha), fmt(o.tau), f"{o.speedup:.2f}× ({o.spread[0]:.2f}-{o.spread[1]:.2f})",
+            f"γ{o.gamma}", fmt(o.alpha), fmt(o.tau), f"{o.speedup:.2f}× ({o.spread[0]:.2f}-{o.spread[1]:.2f}{prompts})",
             fmt(o.c, ".3f"), f"{o.memory_mb:.0f}", {True: "yes", False: "NO", None: "-"}[o.lossless]]
         rows.append([f.method, f.drafts, f.verifies, f"{f.complexity}/5: {f.retrofit}", f.best_when, *measured,
                      f"{f.published} [{f.source}]"])
