@@ -125,3 +125,30 @@ def test_graph_replay_equals_eager_steps(models, name, temperature):  # noqa: F8
     eager = specdec.SpecEngine(target, drafter, graphs=False).generate(PROMPTS, config)
     assert [r.token_ids for r in graphed.rows] == [r.token_ids for r in eager.rows]
     assert graphed.stats.accepted == eager.stats.accepted
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft_model", "eagle", "medusa"])
+def test_slots_no_row_has_held_yet_stay_in_bounds(models, name, monkeypatch):  # noqa: F811
+    """A server steps the smallest bucket holding its rows, so a step can cover slots no row has held yet
+    (length 0). They flow through every phase masked; a negative position there indexes before the rotary
+    table, which on CUDA is an illegal address (EAGLE at 64 rows in the server, before the clamp)."""
+    import specdec.models.eagle as eagle_model
+    import specdec.models.llama as llama
+
+    target, _, draft = models
+    stepper = new_stepper(target, make_drafter(name, target, draft), 4, 128, list(eos_ids(target)), graphs=False)
+    stepper.prefill([0], [Request(PROMPTS[0], 20)])
+    lowest: list[int] = []
+
+    def spy(run):
+        def run_layers(layers, x, positions, *args, **kwargs):
+            lowest.append(int(positions.min()))
+            return run(layers, x, positions, *args, **kwargs)
+        return run_layers
+
+    monkeypatch.setattr(llama, "run_layers", spy(llama.run_layers))
+    monkeypatch.setattr(eagle_model, "run_layers", spy(eagle_model.run_layers))
+    stepper.batch.gamma.fill_(3)
+    stepper.launch(3)
+    assert stepper.read().rows[0].row.slot == 0
+    assert lowest and min(lowest) >= 0, f"{name}: position {min(lowest)}"

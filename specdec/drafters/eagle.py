@@ -127,8 +127,9 @@ class EagleDrafter:
         head, d2t = self.head, self.head.d2t
         cands = fused.run_compiled(root_children, root_feature, head.logits(root_feature), d2t, cfg.branch)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
-        # the pending token, at position L-1
-        root_pos = batch.length - 1
+        # the pending token, at position L-1 (0 for a slot no row has held yet: it flows through masked, and
+        # position -1 would index before the rotary table, an illegal address on CUDA)
+        root_pos = (batch.length - 1).clamp(min=0)
         for level in range(2, depth + 1):
             frontier = fused.run_compiled(choose_frontier, cands.scores, cands, level, min(cfg.frontier, cands.scores.shape[1]))
             new_feats = self.head.features(frontier.features, frontier.tokens, root_pos[:, None] + (level - 2), cache,
