@@ -69,6 +69,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", default=DRAFTERS, help="bench phase: drafters swept")
+    p.add_argument("--gammas", default=GAMMAS, help="bench phase: gammas swept")
+    p.add_argument("--limit", default="100", help="bench phase: first N prompts of the category")
     args = p.parse_args()
     work = Path(args.work)
     common = ["--model", "default", "--device", args.device, "--threads", str(args.threads),
@@ -80,8 +83,8 @@ def main() -> int:
         specdec("advise", "--task", str(folder / "prompts.jsonl"), *common, "--out", str(folder / "advise"))
     elif args.phase == "bench":
         folder = work / args.category
-        specdec("bench", "--task", str(folder / "prompts.jsonl"), "--limit", "100", *common, "--drafters", DRAFTERS,
-                "--gammas", GAMMAS, "--out", str(folder / "bench"))
+        specdec("bench", "--task", str(folder / "prompts.jsonl"), "--limit", args.limit, *common, "--drafters", args.drafters,
+                "--gammas", args.gammas, "--out", str(folder / "bench"))
     else:
         categories = sorted(d.name for d in work.iterdir() if (d / "bench" / "results.json").exists())
         rows = compare(work, categories)

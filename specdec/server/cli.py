@@ -55,6 +55,7 @@ def add_server_commands(sub) -> None:
                    help="this fraction of each level's requests (evenly spread) close their stream after a few chunks")
     b.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest concurrency)")
     b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
+    b.add_argument("--prefill-chunk", type=int, default=512, help="server: most prompt tokens read between two decode steps")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
@@ -190,6 +191,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                        *drafter_argv(args), "--gamma", str(args.gamma), "--spec-policy", args.policies[0],
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
+                       "--prefill-chunk", str(args.prefill_chunk),
                        "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning"]
         if args.threads:
             server_args += ["--threads", str(args.threads)]
