@@ -199,7 +199,7 @@ def add_advise_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--limit", type=int, default=10, help="the most prompts measured (the budget may stop sooner)")
     add_model_args(v)
     v.add_argument("--drafters", type=csv(str), default=None, help="drafters to compare (default: every one that runs for this target)")
-    v.add_argument("--peers", type=csv(str), default=("hf",), help="peers measured alongside: hf, llamacpp (empty for none)")
+    v.add_argument("--peers", type=csv(str), default=(), help="peers measured alongside, on your budget: hf, llamacpp (default none)")
     v.add_argument("--concurrency", type=csv(int), default=(1, 8, 32), help="concurrent requests to advise for (batch sizes measured)")
     v.add_argument("--budget-s", type=float, default=None, help="seconds to spend measuring (default 300 on a CPU, 60 on a GPU)")
     v.add_argument("--threshold-ms", type=float, default=100.0, help="decode time per answer below which speculation is not worth it")
@@ -490,7 +490,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\nWhich drafter, if any? `specdec advise` on {args.limit} held-out GSM8K prompts, "
           f"{args.budget_s:.0f} s budget\n", flush=True)
     return main(["advise", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
-                 "--kernels", args.kernels, "--device", args.device, "--peers", "", "--concurrency", "1,8",
+                 "--kernels", args.kernels, "--device", args.device, "--concurrency", "1,8",
                  "--budget-s", str(args.budget_s), "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 
 

@@ -69,7 +69,7 @@ class AdviseConfig:
     dtype: str = "auto"
     kernels: str = "auto"
     drafters: tuple[str, ...] | None = None  # default: every drafter that can run for this target
-    peers: tuple[str, ...] = ("hf",)
+    peers: tuple[str, ...] = ()  # hf / llamacpp alongside, on the same budget
     concurrency: tuple[int, ...] = (1, 8, 32)
     budget_s: float | None = None  # default: CPU_BUDGET_S on a CPU, GPU_BUDGET_S on a GPU
     max_new_tokens: int = 128
@@ -303,11 +303,13 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
     methods, relabelled = label_by_what_runs(methods, runner.engines)
     notes += relabelled
     prompts = [runner.encode(t) for t in tasks]
+    phases = {"load_s": clock.elapsed}  # where the budget went
     planned = list(methods)  # screening drops from `methods`; what it dropped keeps its prompts
 
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
         runner.run(method, prompts[0], min(WARMUP_TOKENS, config.max_new_tokens))
 
+    phases["warmup_s"] = clock.elapsed - phases["load_s"]
     reserve = RESERVE * clock.budget_s  # load and cost measurements after the rounds
     records: list[RunRecord] = []
     round_s = 0.0
@@ -330,6 +332,7 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
                 methods = screen(methods, records, notes)
             round_s = sum(r.wall_s for r in done if r.method in {m.name for m in methods})
 
+        phases["rounds_s"] = clock.elapsed - sum(phases.values())
         measured = [m for m in methods if m.family == "specdec" and m.name != AGAIN]
         calibration = calibrate(runner, prompts, records, measured)
         greedy = config.sampling.greedy
@@ -354,7 +357,9 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
                                                   config.sampling, clock, notes)
         bar.n = min(round(clock.elapsed), bar.total)
         bar.refresh()
+    phases["costs_and_load_s"] = clock.elapsed - sum(phases.values())
     m.elapsed_s = clock.elapsed
+    m.environment["phases"] = phases
     return m
 
 

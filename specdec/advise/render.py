@@ -85,9 +85,11 @@ def device_line(m: Measurements) -> str:
 
 def conditions(m: Measurements) -> str:
     mode = "greedy" if m.greedy else "sampling"
+    phases = m.environment.get("phases") or {}
+    spent = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f} s" for k, v in phases.items())
     return (f"Model {m.model}, {m.dtype}, kernels {m.kernels}, batch 1, {mode}; {m.num_prompts} prompts; plain decoding "
             f"{m.plain_tokens_per_s:.1f} tokens/s; timing noise {noise_of(m):.1%}; measured in {m.elapsed_s:.0f} s "
-            f"of a {m.budget_s:.0f} s budget.")
+            f"of a {m.budget_s:.0f} s budget" + (f" ({spent})." if spent else "."))
 
 
 def notes_md(m: Measurements) -> list[str]:
