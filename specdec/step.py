@@ -261,7 +261,9 @@ class Stepper:
     """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill` (whole
     prompts), or with `start_prefill` and then `prefill_chunk` between steps (a long prompt read while
     other rows decode), and leave with `batch.release`; `launch` enqueues a step and `read` hands its
-    outcome to the rows."""
+    outcome to the rows. The entry points that run the models run under inference mode whatever the
+    caller's grad mode: it is per thread, on in a server's decode thread, and a drafter's state updated
+    with grad on (EAGLE's root feature) would chain every step's autograd graph onto the last."""
 
     def __init__(self, target, drafter: Drafter, batch: RowBatch, cache: KVCache, graphs: bool,
                  decode: Callable[[list[int]], str] | None = None) -> None:
@@ -285,6 +287,7 @@ class Stepper:
         self.prefill_chunk(self.start_prefill(slots, requests, None))
         return [self.batch.rows[slot] for slot in slots]
 
+    @torch.inference_mode()
     def start_prefill(self, slots: list[int], requests: list[Request], chunk: int | None) -> Prefill:
         """Occupy `slots` with `requests`, kept out of steps (inactive) until their prompts are read by
         `prefill_chunk`: the slots are taken, and steps meanwhile leave them alone."""
@@ -298,6 +301,7 @@ class Stepper:
         lengths = [len(requests[i].prompt) for i in order]
         return Prefill([rows[i] for i in order], index, lengths, chunk, self.target.new_cache(len(rows), lengths[0]))
 
+    @torch.inference_mode()
     def prefill_chunk(self, prefill: Prefill) -> list[Row]:
         """Read the next positions of the prompts still being read, in one forward of at most prefill.chunk
         tokens (rows x positions). The rows whose prompt this chunk ends join the batch (see join_read) and
@@ -348,6 +352,7 @@ class Stepper:
 
     # ---- steps ---------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
         with an observer, or when asked)."""
