@@ -8,7 +8,9 @@ and its sampling parameters from --temperature, or with --sampling-mix from SAMP
 (greedy, top_p, top_k, seeded; shifted by one at every pass over the prompts, so each prompt meets
 every set), so the batch holds rows that sample differently. With --disconnect-fraction F,
 floor(n x F) of a level's n requests, evenly spread, close their stream after DISCONNECT_AFTER_CHUNKS
-chunks. Measured on the client:
+chunks. Before each level, one untimed wave of c requests (none disconnecting) lets the server capture
+the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. Measured on the
+client:
 - throughput: completion tokens of the level's completed requests / its wall seconds (the tokens a
   disconnected request received are not counted);
 - TTFT: request sent to the first chunk (it comes with the first token); ITL: (last chunk - first) /
@@ -41,7 +43,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -167,6 +169,7 @@ class LoadPlan:
     sampling: tuple[SamplingSet, ...]  # taken in turn (plan_request)
     threshold: int
     disconnect_fraction: float = 0.0  # of each level's requests, in [0, 1)
+    warmup: bool = True  # one untimed wave of `concurrency` requests before each level (see run_level)
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -330,6 +333,10 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
     n = plan.requests_at(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(600, connect=30)) as client:
+        if plan.warmup:  # the level's batch bucket captures its graphs here, not in the timed requests
+            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None),
+                                               plan.max_tokens) for i in range(concurrency)))
+            await wait_for_idle(client)
         start = await scrape(client)
         memory = [sample_memory(0, start)]
         results: list[RequestResult] = []

@@ -56,6 +56,7 @@ def add_server_commands(sub) -> None:
     b.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest concurrency)")
     b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
     b.add_argument("--prefill-chunk", type=int, default=512, help="server: most prompt tokens read between two decode steps")
+    b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
@@ -181,7 +182,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     prompts = prompts_for(args.task, args.limit)
     sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
     plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, sampling,
-                    args.spec_threshold, args.disconnect_fraction)
+                    args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
