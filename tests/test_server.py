@@ -223,6 +223,7 @@ def test_every_drafter_serves_concurrent_greedy_requests_through_the_openai_clie
     ({"prompt": "the cat", "temperature": -0.5}, 422, "temperature"),
     ({"prompt": "the cat", "top_p": 0}, 422, "top_p"),
     ({"prompt": "the cat", "top_p": 1.5}, 422, "top_p"),
+    ({"prompt": "the cat", "min_p": 1.0}, 422, "min_p"),
     ({"prompt": "the cat", "n": 2}, 400, "n must be 1"),
     ({"prompt": "   "}, 400, "empty"),
     ({"max_tokens": 4}, 422, "prompt"),
@@ -493,3 +494,10 @@ def test_importing_specdec_does_not_import_the_server_stack():
     code = "import sys, specdec, specdec.cli; specdec.cli.build_parser(); print('fastapi' in sys.modules, 'uvicorn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_min_p_reaches_the_sampler():
+    from specdec.server.app import SamplingFields, sampling_params
+
+    assert sampling_params(SamplingFields(temperature=0.8, min_p=0.05)).min_p == 0.05
+    assert sampling_params(SamplingFields()).min_p == 0.0

@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM: 0 = off
+    min_p: float | None = Field(None, ge=0, lt=1)  # an extension, as in vLLM: 0 = off
     speculate: bool = True  # an extension: false opts this request out of speculation (usage still counts)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # any 64-bit value; taken modulo 2**63
     stop: str | list[str] | None = None
@@ -238,7 +239,8 @@ def completion_prompt_ids(scheduler: Scheduler, prompt: str | list[str] | list[i
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
     return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                          top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+                          top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                          min_p=body.min_p or 0.0, seed=body.seed)
 
 
 def check_request(body: SamplingFields, settings: AppSettings, context: int, prompt_len: int,

@@ -74,12 +74,13 @@ TTFT_TARGET_RATIO = 2.0
 @dataclass(frozen=True)
 class SamplingSet:
     """One request's sampling parameters, under the body field names the server accepts (app.py's
-    SamplingFields: temperature, top_p, top_k, seed; it has no min_p)."""
+    SamplingFields: temperature, top_p, top_k, min_p, seed)."""
 
     name: str
     temperature: float
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seeded: bool = False  # seed = the request's index in its level: reproducible, different per request
 
 
@@ -87,7 +88,7 @@ SAMPLING_MIX = (
     SamplingSet("greedy", 0.0),
     SamplingSet("t=0.7 top_p=0.95", 0.7, top_p=0.95),
     SamplingSet("t=1.0 top_k=50", 1.0, top_k=50),
-    SamplingSet("t=0.8 top_p=0.9 seeded", 0.8, top_p=0.9, seeded=True),
+    SamplingSet("t=0.8 min_p=0.05 seeded", 0.8, min_p=0.05, seeded=True),
     SamplingSet("t=0.6 top_k=20 top_p=0.9 seeded", 0.6, top_p=0.9, top_k=20, seeded=True),
 )
 
@@ -197,7 +198,7 @@ def plan_request(plan: LoadPlan, prompts: list[str], index: int) -> RequestSpec:
 def sampling_fields(sampling: SamplingSet, index: int) -> dict:
     """The request body's sampling fields for request `index` of a level."""
     fields = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-              "seed": index if sampling.seeded else None}
+              "min_p": sampling.min_p, "seed": index if sampling.seeded else None}
     return {name: value for name, value in fields.items() if value is not None}
 
 
