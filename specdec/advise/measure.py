@@ -12,8 +12,8 @@ decisions need beyond a bench:
 - screening: from the second round on, a configuration whose best prompt is slower than the leader's
   worst is dropped (it keeps the prompts it has), so the budget goes to the contenders;
 - load: for the configuration the decision tree would pick (and the fastest, if another), rows
-  decoded together at each asked concurrency, plain and speculative, short outputs: throughput
-  ratios per batch size, from which decide.py finds where speculation stops paying;
+  decoded together at each asked concurrency, plain and speculative: decode throughput ratios per
+  batch size (prefill excluded), from which decide.py finds where speculation stops paying;
 - costs: r(k) at the run's context length, c per drafter, the prefill time of a median prompt.
 """
 
@@ -216,18 +216,24 @@ def relative_noise(records: list[RunRecord]) -> float:
     return math.exp(statistics.median(abs(math.log(r)) for r in ratios)) - 1
 
 
-def throughput(engine, prompts: list[list[int]], sampling: SamplingParams, gamma: int) -> float:
-    """Tokens per second of one batched generate of these rows (LOAD_TOKENS each); on a GPU after one
-    untimed run of the same shapes, which captures their graphs."""
-    spec = SpecConfig(gamma=max(gamma, 1), max_new_tokens=LOAD_TOKENS, sampling=sampling)
-    device = engine.device
-    if device.type == "cuda":
-        engine.generate(prompts, spec)
-    synchronize(device)
-    t = time.perf_counter()
-    out = engine.generate(prompts, spec)
-    synchronize(device)
-    return sum(len(r.token_ids) for r in out.rows) / (time.perf_counter() - t)
+def decode_throughput(engine, prompts: list[list[int]], sampling: SamplingParams, gamma: int) -> float:
+    """Decode tokens per second of these rows decoded together: a run of LOAD_TOKENS new tokens each,
+    less a run of one (the prefill, and a drafter's own pass over the prompts, which short outputs would
+    otherwise weigh as heavily as the decoding). On a GPU after one untimed run of the same shapes, which
+    captures their graphs."""
+    def timed(new_tokens: int) -> tuple[int, float]:
+        spec = SpecConfig(gamma=max(gamma, 1), max_new_tokens=new_tokens, sampling=sampling)
+        synchronize(engine.device)
+        t = time.perf_counter()
+        out = engine.generate(prompts, spec)
+        synchronize(engine.device)
+        return sum(len(r.token_ids) for r in out.rows), time.perf_counter() - t
+
+    if engine.device.type == "cuda":
+        timed(LOAD_TOKENS)
+    first, prefill_s = timed(1)
+    tokens, total_s = timed(LOAD_TOKENS)
+    return (tokens - first) / max(total_s - prefill_s, 1e-9)
 
 
 def measure_load(runner: Runner, options: list[Option], prompts: list[list[int]], concurrency: tuple[int, ...],
@@ -243,10 +249,10 @@ def measure_load(runner: Runner, options: list[Option], prompts: list[list[int]]
             break
         t = time.perf_counter()
         batch = [prompts[i % len(prompts)] for i in range(rows)]
-        plain[rows] = throughput(plain_engine, batch, sampling, 0)
+        plain[rows] = decode_throughput(plain_engine, batch, sampling, 0)
         for o in options:
             engine = runner.by_drafter[o.drafter]
-            o.batch_speedup[rows] = throughput(engine, batch, sampling, o.gamma) / plain[rows]
+            o.batch_speedup[rows] = decode_throughput(engine, batch, sampling, o.gamma) / plain[rows]
         last = (rows, time.perf_counter() - t)
     return plain
 

@@ -219,8 +219,8 @@ def verdict_answers(m: Measurements, tree: Tree) -> list[tuple[str, str]]:
         b = break_even_batch(chosen.batch_speedup)
         where = ("it pays at every measured batch size" if b is None else
                  "it does not pay even at one row in this test" if b == 0 else f"it stops paying at about {b:.0f} rows")
-        scale = (f"{chosen.drafter} γ{chosen.gamma}, measured throughput vs plain with several rows decoded together "
-                 f"(short outputs): {rows}; {where}. At serving scale use the `cost` "
+        scale = (f"{chosen.drafter} γ{chosen.gamma}, measured decode throughput vs plain with several rows decoded "
+                 f"together: {rows}; {where}. At serving scale use the `cost` "
                  "policy, which speculates only while the measured step times say it pays.")
     easy = easiest_retrofit(m)
     retrofit = ("None: no drafter beats plain decoding by more than the noise." if easy is None else
