@@ -5,6 +5,7 @@ config.json round-trips into `generate` and `serve`, and a tiny-model run end to
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -225,3 +226,22 @@ def test_a_configuration_dropped_early_is_shown_but_not_recommended():
     from specdec.advise.render import summary_md
 
     assert "1.90× (1.90-1.90, 1 prompt(s) only)" in summary_md(m)
+
+
+def test_drift_within_a_round_favours_nobody_and_is_not_noise():
+    from specdec.advise.measure import AGAIN, per_prompt_speedups, relative_noise
+    from specdec.bench.runner import PLAIN, RunRecord
+
+    def run(method: str, task: str, speed: float) -> RunRecord:
+        return RunRecord(method, task, None, 0, 100, 100 / speed, speed, [], None, None, None)
+
+    records = []
+    for task in ("a", "b", "c"):  # the machine slows steadily through each round: plain 100 -> 80
+        records += [run(PLAIN, task, 100), run("early", task, 95), run("late", task, 85), run(AGAIN, task, 80)]
+    early, late = per_prompt_speedups(records, "early"), per_prompt_speedups(records, "late")
+    assert early == pytest.approx({t: 95 / (100 - 20 / 3) for t in "abc"})  # plain's speed at the run's place
+    assert late == pytest.approx({t: 85 / (100 - 40 / 3) for t in "abc"})
+    assert relative_noise(records) == pytest.approx(0.0)  # the same drift every round: no noise
+    records[3] = run(AGAIN, "a", 90)
+    records[-1] = run(AGAIN, "c", 100)  # rounds that drift differently: that is noise
+    assert relative_noise(records) == pytest.approx(math.exp(1.4826 * math.log(100 / 90)) - 1)

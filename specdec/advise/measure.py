@@ -4,8 +4,9 @@ It is a budgeted `specdec bench` (same Runner, records and summaries, bench/runn
 decisions need beyond a bench:
 - rounds: every method runs on one prompt per round, interleaved (A B C A B C ...), and rounds go on
   while the budget allows (the last round is kept only if it finished). Plain decoding runs twice
-  per round, first and last: the two runs against each other give the timing noise of this machine
-  (drift within a round included), and their mean is the baseline of every speedup on that prompt;
+  per round, first and last: a method's baseline is plain's speed interpolated between the two at its
+  place in the round (a drift within the round favours nobody), and how their ratio varies from round
+  to round is this machine's timing noise;
 - fitting the budget: after the first round, when the rest of the budget cannot give every configuration
   MIN_ROUNDS prompts, the ones slowest on the first prompt are measured no further (peers first, then
   a drafter's extra gammas, then whole drafters);
@@ -184,11 +185,28 @@ def fit_budget(methods: list[Method], seconds: dict[str, float], speedup: dict[s
 
 
 def per_prompt_speedups(records: list[RunRecord], name: str) -> dict[str, float]:
-    """Per prompt: tokens/s / plain decoding's (the mean of its two runs, which bracket the round)."""
-    mine = per_prompt(records, name)
-    plain, again = per_prompt(records, PLAIN), per_prompt(records, AGAIN)
-    base = {t: statistics.mean(r.tokens_per_s for r in plain[t] + again.get(t, [])) for t in plain}
-    return {t: median_speed(mine[t]) / base[t] for t in mine if t in base and base[t] > 0}
+    """Per prompt: tokens/s / plain decoding's at the same point of the round. Plain runs first and last
+    in each round; its speed is interpolated linearly between the two by the run's place in the round,
+    so a drift within the round (the machine warming, caches) does not favour early or late methods."""
+    out = {}
+    for task_id, runs in rounds_of(records).items():
+        mine = [i for i, r in enumerate(runs) if r.method == name]
+        first, last = runs[0], runs[-1]
+        if not mine or first.method != PLAIN or first.tokens_per_s <= 0:
+            continue
+        i = mine[0]
+        w = i / (len(runs) - 1) if last.method == AGAIN and len(runs) > 1 else 0.0
+        base = first.tokens_per_s * (1 - w) + (last.tokens_per_s if last.method == AGAIN else first.tokens_per_s) * w
+        out[task_id] = runs[i].tokens_per_s / base
+    return out
+
+
+def rounds_of(records: list[RunRecord]) -> dict[str, list[RunRecord]]:
+    """Each prompt's runs, in the order they ran (one round per prompt)."""
+    out: dict[str, list[RunRecord]] = {}
+    for r in records:
+        out.setdefault(r.task_id, []).append(r)
+    return out
 
 
 def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) -> list[Method]:
@@ -207,13 +225,16 @@ def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) ->
 
 
 def relative_noise(records: list[RunRecord]) -> float:
-    """Timing spread of plain decoding against itself: the median over prompts of |log(last / first)|,
-    its two runs bracketing each round (so drift within a round counts as noise)."""
-    first, last = per_prompt(records, PLAIN), per_prompt(records, AGAIN)
-    ratios = [median_speed(last[t]) / median_speed(first[t]) for t in first if t in last]
-    if not ratios:
-        return 0.0
-    return math.exp(statistics.median(abs(math.log(r)) for r in ratios)) - 1
+    """Timing noise: how much log(last / first) of plain decoding's two runs, which bracket each round,
+    varies from prompt to prompt (1.4826 x its median absolute deviation: one standard deviation of a
+    ratio of two runs, as every speedup on one prompt is). A steady drift is not noise: per_prompt_speedups
+    corrects it. With one prompt, the one ratio's size."""
+    logs = [math.log(runs[-1].tokens_per_s / runs[0].tokens_per_s) for runs in rounds_of(records).values()
+            if runs[0].method == PLAIN and runs[-1].method == AGAIN and min(runs[0].tokens_per_s, runs[-1].tokens_per_s) > 0]
+    if len(logs) < 2:
+        return math.exp(abs(logs[0])) - 1 if logs else 0.0
+    mid = statistics.median(logs)
+    return math.exp(1.4826 * statistics.median(abs(x - mid) for x in logs)) - 1
 
 
 def decode_throughput(engine, prompts: list[list[int]], sampling: SamplingParams, gamma: int) -> float:

@@ -2,9 +2,9 @@
 (render.py), and what `measurements.json` holds. Tests build these tables by hand.
 
 Speedups are per-prompt ratios of tokens/s to plain decoding of the same target on the same prompt
-in the same run (medians over prompts); plain's speed on a prompt is the mean of its two runs there.
-`noise` is the relative timing spread of plain decoding measured against itself (first and last in
-each round): differences within it are not differences.
+in the same run (medians over prompts); plain's speed is interpolated between its two runs, which
+bracket each round. `noise` is how much plain decoding varies against itself from round to round:
+differences within it are not differences.
 """
 
 from __future__ import annotations

@@ -322,3 +322,24 @@ def headline(m: Measurements, tree: Tree) -> str:
     return (f"Best drafter here: {o.drafter} γ{o.gamma}, {o.speedup:.2f}× plain decoding "
             f"({m.plain_tokens_per_s * o.speedup:.0f} vs {m.plain_tokens_per_s:.0f} tokens/s)"
             + (f", τ {o.tau:.2f}" if o.tau else "") + ".")
+
+
+def side_by_side(runs: dict[str, Measurements]) -> str:
+    """The family matrix with several advise runs' measured columns next to each other (e.g. a CPU and a
+    GPU run of the same model), for the survey in docs/."""
+    names = list(runs)
+    head = ["method", "retrofit effort", "best when"] + [f"{n}: γ, τ, speedup" for n in names] + ["published [source]"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for drafter, f in sorted(FAMILIES.items(), key=lambda kv: kv[1].complexity):
+        cells = [f.method, f"{f.complexity}/5", f.best_when]
+        for m in runs.values():
+            final = {o.drafter: o for o in m.best_per_drafter()}
+            partial = {o.drafter: o for o in m.best_per_drafter(m.options)}
+            o = final.get(drafter) or partial.get(drafter)
+            cells.append("not measured" if o is None else
+                         f"γ{o.gamma}, τ {fmt(o.tau)}, {o.speedup:.2f}×" + ("" if drafter in final else
+                                                                           f" ({len(o.per_prompt)} prompt(s))"))
+        cells.append(f"{f.published} [{f.source}]")
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    lines += ["", *[f"- **{n}**: {conditions(m)} Recommendation: {headline(m, build_tree(m))}" for n, m in runs.items()]]
+    return "\n".join(lines) + "\n"
