@@ -54,7 +54,7 @@ from specdec.models.loading import DEFAULT_MODEL
 AGAIN = "specdec/none/again"  # plain decoding's second run per round: the noise reference
 GAMMAS = {"ngram": (2, 4), "layer_skip": (2, 4), "quantized": (2, 4), "draft_model": (2, 4), "lookahead": (4,),
           "medusa": (3,), "eagle": (3, 5)}
-LOAD_TOKENS = 32  # new tokens per row when measuring throughput at a batch size
+LOAD_TOKENS = 64  # new tokens per row when measuring decode throughput at a batch size
 WARMUP_TOKENS = 8  # enough to compile kernels and capture graphs
 CPU_BUDGET_S, GPU_BUDGET_S = 300.0, 60.0
 MIN_ROUNDS = 3  # prompts every kept configuration should get within the budget
@@ -259,11 +259,14 @@ def decode_throughput(engine, prompts: list[list[int]], sampling: SamplingParams
 
 def measure_load(runner: Runner, options: list[Option], prompts: list[list[int]], concurrency: tuple[int, ...],
                  sampling: SamplingParams, clock: Clock, notes: list[str]) -> dict[int, float]:
-    """Plain tokens/s per batch size; fills each option's batch_speedup. Stops when the budget does."""
+    """Plain decode tokens/s per batch size above one; fills each option's batch_speedup, at one row with
+    what the rounds measured (the same quantity, over more prompts). Stops when the budget does."""
     plain: dict[int, float] = {}
     plain_engine = runner.by_drafter["none"]
+    for o in options:
+        o.batch_speedup[1] = o.speedup
     last: tuple[int, float] | None = None  # (rows, seconds) of the previous batch size
-    for rows in sorted(set(concurrency)):
+    for rows in sorted(set(concurrency) - {1}):
         predicted = 0.0 if last is None else last[1] * rows / last[0]  # at worst linear in rows
         if clock.left <= predicted:
             notes.append(f"load: batch sizes from {rows} rows not measured (the budget would run out)")
