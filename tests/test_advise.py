@@ -245,4 +245,4 @@ def test_drift_within_a_round_favours_nobody_and_is_not_noise():
     assert relative_noise(records) == pytest.approx(0.0)  # the same drift every round: no noise
     records[3] = run(AGAIN, "a", 90)
     records[-1] = run(AGAIN, "c", 100)  # rounds that drift differently: that is noise
-    assert relative_noise(records) == pytest.approx(math.exp(1.4826 * math.log(100 / 90)) - 1)
+    assert relative_noise(records) == pytest.approx(math.exp(1.4826 * math.log(100 / 90) / 2) - 1)

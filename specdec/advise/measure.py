@@ -225,16 +225,17 @@ def screen(methods: list[Method], records: list[RunRecord], notes: list[str]) ->
 
 
 def relative_noise(records: list[RunRecord]) -> float:
-    """Timing noise: how much log(last / first) of plain decoding's two runs, which bracket each round,
-    varies from prompt to prompt (1.4826 x its median absolute deviation: one standard deviation of a
-    ratio of two runs, as every speedup on one prompt is). A steady drift is not noise: per_prompt_speedups
-    corrects it. With one prompt, the one ratio's size."""
+    """Timing noise of a speedup: how much log(last / first) of plain decoding's two runs, which bracket
+    each round, varies from prompt to prompt (1.4826 x its median absolute deviation, one standard
+    deviation), halved: a speedup's baseline is interpolated between the two runs, so it is off by about
+    half their disagreement. A steady drift is not noise: per_prompt_speedups corrects it. With one
+    prompt, half the one ratio's size."""
     logs = [math.log(runs[-1].tokens_per_s / runs[0].tokens_per_s) for runs in rounds_of(records).values()
             if runs[0].method == PLAIN and runs[-1].method == AGAIN and min(runs[0].tokens_per_s, runs[-1].tokens_per_s) > 0]
     if len(logs) < 2:
-        return math.exp(abs(logs[0])) - 1 if logs else 0.0
+        return math.exp(abs(logs[0]) / 2) - 1 if logs else 0.0
     mid = statistics.median(logs)
-    return math.exp(1.4826 * statistics.median(abs(x - mid) for x in logs)) - 1
+    return math.exp(1.4826 * statistics.median(abs(x - mid) for x in logs) / 2) - 1
 
 
 def decode_throughput(engine, prompts: list[list[int]], sampling: SamplingParams, gamma: int) -> float:
