@@ -364,10 +364,10 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
             round_s = sum(r.wall_s for r in done if r.method in {m.name for m in methods})
 
         phases["rounds_s"] = clock.elapsed - sum(phases.values())
-        measured = [m for m in methods if m.family == "specdec" and m.name != AGAIN]
-        calibration = calibrate(runner, prompts, records, measured)
-        greedy = config.sampling.greedy
         ran = {r.method for r in records}
+        measured = [m for m in planned if m.family == "specdec" and m.name != AGAIN and m.name in ran]
+        calibration = calibrate(runner, prompts, records, measured)  # r(k) up to the widest that ran, screened or not
+        greedy = config.sampling.greedy
         options = [option_of(m, summarize(m, records, calibration, greedy), records, runner)
                    for m in planned if m.drafter not in (None, "none") and m.name in ran]
         plain = summarize(planned[0], records, calibration, greedy)
