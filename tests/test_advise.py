@@ -91,6 +91,12 @@ def test_defer_when_every_speedup_is_within_the_noise():
     assert easiest_retrofit(m) is None
 
 
+def test_a_load_beyond_the_measured_batch_sizes_is_not_assumed_to_pay():
+    m = table(option("eagle", 1.5, batch={1: 1.5, 8: 1.2}), concurrency=(1, 32))
+    assert build_tree(m).recommendation.spec_policy == "cost"
+    assert build_tree(replace(m, concurrency=[1, 8])).recommendation.spec_policy == "on"
+
+
 def test_break_even_batch():
     assert break_even_batch({}) is None
     assert break_even_batch({1: 0.9, 8: 0.5}) == 0.0
@@ -180,6 +186,7 @@ def test_advise_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert "specdec/ngram/2" in printed and "Recommendation" in printed
     for name in ("summary.md", "decision-tree.md", "decision-tree.png", "verdict.md", "config.json", "measurements.json"):
         assert (out / name).stat().st_size > 0
+    assert "r(2) " in (out / "summary.md").read_text()  # the verify ratios behind every step cost
     tree_md = (out / "decision-tree.md").read_text()
     assert check_mermaid(tree_md.split("```mermaid\n")[1].split("```")[0]) == []
     m = Measurements.from_dict(json.loads((out / "measurements.json").read_text()))

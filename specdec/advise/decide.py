@@ -215,7 +215,9 @@ def add_load_question(tree: Tree, m: Measurements, chosen: Option) -> None:
     if not chosen.batch_speedup:
         limit = "not measured beyond one row"
     elif b is None:
-        limit = f"pays at every measured batch size ({measured})"
+        largest = max(chosen.batch_speedup)
+        limit = f"pays at every measured batch size ({measured})" + (
+            f"; {load} rows not measured" if load > largest else "")
     else:
         limit = f"stops paying at ≈{b:.0f} rows ({measured})"
     node = tree.add(Node("load", f"Concurrency {load} within the batch size where it pays?<br/>"
@@ -227,7 +229,8 @@ def add_load_question(tree: Tree, m: Measurements, chosen: Option) -> None:
     tree.link(node, always, "yes")
     tree.link(node, adaptive, "no")
     tree.path.append(node.id)
-    pays_at_load = load <= 1 or (bool(chosen.batch_speedup) and (b is None or load <= b))
+    known = bool(chosen.batch_speedup) and load <= max(chosen.batch_speedup)  # unmeasured loads are not assumed to pay
+    pays_at_load = load <= 1 or (known and (b is None or load <= b))
     tree.path.append(always.id if pays_at_load else adaptive.id)
     tree.recommendation = Recommendation("speculate", chosen, "on" if pays_at_load else "cost", b,
                                          reason=f"{describe(chosen)}; {limit}")

@@ -40,8 +40,6 @@ from specdec.bench.runner import (
     calibrate,
     environment,
     label_by_what_runs,
-    median_speed,
-    per_prompt,
     summarize,
 )
 from specdec.bench.tasks import is_correct, load_tasks
@@ -381,6 +379,8 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
             noise=relative_noise(records), options=options, concurrency=list(config.concurrency),
             budget_s=clock.budget_s, environment=environment(runner), notes=notes,
         )
+        m.environment["verify_ratio"] = {int(k): v for k, v in calibration["verify_ratio"].items()}
+        m.environment["context_len"] = calibration["context_len"]
         m.environment["peers"] = {p.name: summarize(p, records, calibration, greedy)["speedup_vs_plain"]["median"]
                                   for p in peers if any(r.method == p.name for r in records)}
         bar.set_postfix_str("load")

@@ -69,6 +69,13 @@ def summary_md(m: Measurements) -> str:
         lines.append(f"| {o.name} | {len(o.per_prompt)} | {o.tokens_per_s:.1f} | {o.speedup:.2f}× | "
                      f"{o.spread[0]:.2f}-{o.spread[1]:.2f} | {fmt(o.alpha)} | {fmt(o.tau)} | {fmt(o.c, '.3f')} | "
                      f"{fmt(o.step_cost)} |")
+    ratios = m.environment.get("verify_ratio") or {}
+    if ratios:
+        lines += ["", f"Verify ratio r(k) = one target forward over k new tokens ÷ over one, at a context of "
+                      f"{m.environment.get('context_len')} tokens: "
+                  + ", ".join(f"r({k}) {v:.2f}" for k, v in sorted((int(k), v) for k, v in ratios.items())) + ". "
+                  "c = draft seconds per drafted token ÷ one plain step; a configuration pays when τ exceeds its step "
+                  "cost (draft time + r of the tokens it verifies, in plain steps)."]
     peers = m.environment.get("peers") or {}
     if peers:
         lines += ["", "Peers on the same prompts (tokens/s vs specdec plain): "
