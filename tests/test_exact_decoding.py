@@ -24,7 +24,7 @@ from test_medusa import random_heads
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 32
-DRAFTERS = ["ngram", "draft_model", "eagle", "medusa", "lookahead", "layer_skip",
+DRAFTERS = ["ngram", "draft_model", "eagle", "medusa", "lookahead", "layer_skip", "suffix",
             pytest.param("quantized", marks=pytest.mark.skipif(DEVICE != "cpu", reason="int8 drafts run on the CPU"))]
 
 

@@ -29,7 +29,7 @@ from test_eagle import random_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_medusa import random_heads
 
-DRAFTERS = ["none", "ngram", "draft_model", "eagle", "medusa", "lookahead"]
+DRAFTERS = ["none", "ngram", "draft_model", "eagle", "medusa", "lookahead", "suffix"]
 
 
 def make_drafter(name: str, target, draft):

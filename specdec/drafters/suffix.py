@@ -1,0 +1,401 @@
+"""`suffix`: SuffixDecoding (Oliaro et al. 2024, "SuffixDecoding: Extreme Speculative Decoding for Emerging
+AI Applications"), training-free. Match the longest suffix of a row's text (the *pattern*) in an index of
+text seen before, then follow its most frequent continuations.
+
+Two indexes, as in the paper:
+- per request: the row's prompt and its output so far (rebuilt at `join`, extended at every `commit`);
+- global: earlier requests' prompts and outputs, shared by every row and batch this drafter instance
+  serves (the engine's successive `generate` calls, the server's requests), so later requests draft from
+  earlier ones. A request enters it once it has left its slot (seen at the next `join`).
+
+The index is a **suffix automaton**, not a suffix tree: it is built online one token at a time (a row's
+index grows by the tokens each step keeps, in amortized constant time per token), it has at most 2n
+states for n tokens whatever the length of the matches (a depth-limited suffix trie holds up to depth x n
+nodes, a suffix tree needs Ukkonen's algorithm to grow online), and each state counts the end positions of
+its strings, so "how often did this pattern continue with token t" is one lookup: count(next(state, t)).
+A token's end positions are counted when it is appended, by a walk up the suffix links.
+
+Memory bound. A suffix automaton cannot delete text, so the global index is two generations, each an
+automaton over at most max_tokens / 2 tokens (default max_tokens = 1,000,000): requests are added to the
+newer; when the next one does not fit, the older generation (the oldest requests' text) is dropped and the
+newer becomes the older. At most max_tokens tokens are held, about 150 bytes of host memory each (dict
+transitions; measured on GSM8K outputs), and no request is ever rebuilt. A request longer than a
+generation keeps its last max_tokens / 2 tokens.
+
+Drafting (per row, per step), with the paper's names:
+- the pattern: per request, the longest suffix of the text that occurred earlier in it with a next token;
+  globally, the longest suffix of the row's last `max_pattern` tokens that occurs in a generation with a
+  next token. p is its length;
+- MAX_SPEC = min(gamma, floor(max_spec_factor x p)): a longer match allows a longer draft (no match, no
+  draft);
+- from the pattern's state, a node's children are its continuations, each with the empirical probability
+  count(child) / sum of its siblings' counts; a node's probability is the product along its path. The
+  speculation tree grows best-first by that probability (SuffixDecoding's greedy expansion) and stops at
+  a node below `min_token_prob`, at depth MAX_SPEC or at `tree_nodes` nodes (`max_children` per node). With
+  tree_nodes = 0 (the default) it is a chain: the most frequent child at each step;
+- the candidates (per request, each global generation) are scored by the sum of their nodes' probabilities
+  (the expected number of accepted tokens); the best one is proposed.
+Nodes are deterministic (q = None): tree and chain verification stay lossless. Proposals have the static
+shape of `shape(gamma)`: a chain pads with num_drafted, a tree with num_nodes.
+
+The indexes are Python structures on the host, so this drafter reads the rows' new tokens back every step
+and runs eagerly (graphable = False), like `lookahead`.
+
+Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
+max_children; see SuffixConfig.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.drafters.lookahead import row_tokens, rows_in_view
+from specdec.errors import UserError
+from specdec.verify import TreeSpec
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_tokens: int = 1_000_000  # tokens the global index holds at most (two generations of half each)
+    max_pattern: int = 64  # the longest suffix of a row matched against the global index
+    max_spec_factor: float = 1.0  # alpha: a pattern of p tokens allows a draft of floor(alpha * p) tokens
+    min_token_prob: float = 0.1  # stop growing a path whose estimated probability falls below this
+    tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
+    max_children: int = 3  # a tree's fan-out bound (a chain has 1)
+
+    def __post_init__(self) -> None:
+        checks = [("max_tokens", self.max_tokens >= 2, "an integer >= 2"),
+                  ("max_pattern", self.max_pattern >= 1, "an integer >= 1"),
+                  ("max_spec_factor", self.max_spec_factor > 0, "a number > 0"),
+                  ("min_token_prob", 0 <= self.min_token_prob <= 1, "a number in [0, 1]"),
+                  ("tree_nodes", self.tree_nodes >= 0, "an integer >= 0 (0: a chain)"),
+                  ("max_children", self.max_children >= 1, "an integer >= 1")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise UserError(f"suffix drafter: {name} must be {expected}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, extra: dict) -> "SuffixConfig":
+        """The options `extra` gives (other drafters' keys ignored), each checked for its type."""
+        values = {}
+        for name, f in cls.__dataclass_fields__.items():
+            if name not in extra:
+                continue
+            value, kind = extra[name], int if f.type == "int" else float
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or (kind is int and not float(value).is_integer()):
+                raise UserError(f"suffix drafter: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+            values[name] = kind(value)
+        return cls(**values)
+
+
+# ---- the suffix automaton ------------------------------------------------------------------------
+
+
+@dataclass
+class SuffixAutomaton:
+    """The suffix automaton of one or more texts (a generalized one: `start_text` begins another). State 0
+    is the root (the empty string); each state is a class of substrings with the same end positions."""
+
+    next: list[dict[int, int]] = field(default_factory=lambda: [{}])  # per state: token -> state
+    link: list[int] = field(default_factory=lambda: [-1])  # suffix link: the state of the longest shorter suffix
+    length: list[int] = field(default_factory=lambda: [0])  # the state's longest string
+    count: list[int] = field(default_factory=lambda: [0])  # end positions of the state's strings (occurrences)
+    last: int = 0  # the state of the text being added (all of it so far)
+    tokens: int = 0  # tokens added, over every text
+
+
+def new_state(sam: SuffixAutomaton, length: int, link: int, next_: dict[int, int], count: int) -> int:
+    sam.next.append(next_)
+    sam.link.append(link)
+    sam.length.append(length)
+    sam.count.append(count)
+    return len(sam.next) - 1
+
+
+def split_state(sam: SuffixAutomaton, p: int, q: int, token: int) -> int:
+    """q's strings longer than length(p) + 1 stay in q; the shorter ones move to a clone (which ends where q
+    does, and will end at the new position too). Transitions into q from p and its suffixes move to it."""
+    clone = new_state(sam, sam.length[p] + 1, sam.link[q], dict(sam.next[q]), sam.count[q])
+    while p != -1 and sam.next[p].get(token) == q:
+        sam.next[p][token] = clone
+        p = sam.link[p]
+    sam.link[q] = clone
+    return clone
+
+
+def count_end(sam: SuffixAutomaton, state: int) -> None:
+    """A new end position: every suffix of the text so far occurs once more."""
+    while state > 0:
+        sam.count[state] += 1
+        state = sam.link[state]
+
+
+def start_text(sam: SuffixAutomaton) -> None:
+    sam.last = 0
+
+
+def append_token(sam: SuffixAutomaton, token: int) -> None:
+    """Extend the text being added by one token (the online construction, generalized to several texts:
+    a text may repeat a substring that another text already put in the automaton)."""
+    last = sam.last
+    sam.tokens += 1
+    q = sam.next[last].get(token)
+    if q is not None:  # only in a later text: the extended string already exists
+        sam.last = q if sam.length[q] == sam.length[last] + 1 else split_state(sam, last, q, token)
+        count_end(sam, sam.last)
+        return
+    cur = new_state(sam, sam.length[last] + 1, 0, {}, 0)
+    p = last
+    while p != -1 and token not in sam.next[p]:
+        sam.next[p][token] = cur
+        p = sam.link[p]
+    if p != -1:
+        q = sam.next[p][token]
+        sam.link[cur] = q if sam.length[p] + 1 == sam.length[q] else split_state(sam, p, q, token)
+    sam.last = cur
+    count_end(sam, cur)
+
+
+def add_text(sam: SuffixAutomaton, tokens: list[int]) -> None:
+    start_text(sam)
+    for token in tokens:
+        append_token(sam, token)
+
+
+def build_automaton(tokens: list[int]) -> SuffixAutomaton:
+    sam = SuffixAutomaton()
+    add_text(sam, tokens)
+    return sam
+
+
+# ---- matching and drafting -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Match:
+    """A pattern found in an automaton: its state and its length p."""
+
+    state: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Child:
+    token: int
+    state: int
+    prob: float  # count(child) / the sum of its siblings' counts
+
+
+@dataclass
+class Draft:
+    """A speculation tree in topological order (a chain when every parent is the node before)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1: the pending token (the tree's root)
+    probs: list[float] = field(default_factory=list)  # each node's estimated probability (product along its path)
+
+    @property
+    def score(self) -> float:
+        """The expected number of accepted tokens, if the estimates held."""
+        return sum(self.probs)
+
+
+def back_off(sam: SuffixAutomaton, match: Match) -> Match:
+    """The longest suffix of a match that has a continuation (a next token somewhere in the texts)."""
+    state, length = match.state, match.length
+    while state > 0 and not sam.next[state]:
+        state = sam.link[state]
+        length = sam.length[state]
+    return Match(state, length)
+
+
+def match_pattern(sam: SuffixAutomaton, text: list[int]) -> Match:
+    """The longest suffix of `text` that occurs in the automaton with a continuation."""
+    state, length = 0, 0
+    for token in text:
+        while state > 0 and token not in sam.next[state]:
+            state = sam.link[state]
+            length = sam.length[state]
+        if token in sam.next[state]:
+            state, length = sam.next[state][token], length + 1
+    return back_off(sam, Match(state, length))
+
+
+def match_own_text(sam: SuffixAutomaton) -> Match:
+    """The longest suffix of the automaton's own text that occurred earlier in it with a next token."""
+    return back_off(sam, Match(sam.last, sam.length[sam.last]))
+
+
+def rank_children(sam: SuffixAutomaton, state: int, k: int) -> list[Child]:
+    """The k most frequent continuations of a state (ties: the smaller token), with their probabilities."""
+    edges, count = sam.next[state], sam.count
+    total = sum(count[s] for s in edges.values())
+    best = heapq.nlargest(k, edges.items(), key=lambda edge: (count[edge[1]], -edge[0]))
+    return [Child(token, s, count[s] / total) for token, s in best]
+
+
+def grow_draft(sam: SuffixAutomaton, match: Match, max_nodes: int, max_depth: int, max_children: int,
+               min_token_prob: float) -> Draft:
+    """The speculation tree from a pattern: nodes added best-first by path probability (so a node's parent is
+    always in first), none below min_token_prob, none deeper than max_depth, at most max_nodes."""
+    draft, order = Draft(), itertools.count()
+    frontier: list[tuple[float, int, int, int, Child]] = []  # (-probability, order, parent node, depth, child)
+
+    def push_children(state: int, node: int, depth: int, prob: float) -> None:
+        if depth < max_depth:
+            for child in rank_children(sam, state, max_children):
+                heapq.heappush(frontier, (-prob * child.prob, next(order), node, depth + 1, child))
+
+    push_children(match.state, -1, 0, 1.0)
+    while frontier and len(draft.tokens) < max_nodes:
+        neg_prob, _, parent, depth, child = heapq.heappop(frontier)
+        if -neg_prob < min_token_prob:
+            break
+        draft.tokens.append(child.token)
+        draft.parents.append(parent)
+        draft.probs.append(-neg_prob)
+        push_children(child.state, len(draft.tokens) - 1, depth, -neg_prob)
+    return draft
+
+
+# ---- the global index ----------------------------------------------------------------------------
+
+
+@dataclass
+class GlobalIndex:
+    """Earlier requests' texts in two generations of at most max_tokens // 2 tokens each."""
+
+    max_tokens: int
+    newer: SuffixAutomaton = field(default_factory=SuffixAutomaton)
+    older: SuffixAutomaton = field(default_factory=SuffixAutomaton)
+
+    @property
+    def generations(self) -> list[SuffixAutomaton]:
+        return [sam for sam in (self.newer, self.older) if sam.tokens]
+
+    @property
+    def tokens(self) -> int:
+        return self.newer.tokens + self.older.tokens
+
+
+def add_request(index: GlobalIndex, text: list[int]) -> None:
+    """Add one request's text; when the newer generation cannot take it, the older (the oldest requests) is dropped."""
+    room = index.max_tokens // 2
+    text = text[-room:]
+    if index.newer.tokens + len(text) > room:
+        index.older, index.newer = index.newer, SuffixAutomaton()
+    add_text(index.newer, text)
+
+
+# ---- the drafter ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RowState:
+    text: list[int]  # the row's prompt and output so far (the last token is the pending one)
+    automaton: SuffixAutomaton  # over `text`
+
+
+@dataclass
+class Held:
+    """A row in a batch's per-slot state, not yet added to the global index. It has left its slot when the
+    slot's state is no longer this row's (`RowBatch.release` drops it; a new row replaces it)."""
+
+    slots: dict  # the batch's `draft` dict (shared by its views)
+    slot: int
+    row: RowState
+
+    @property
+    def released(self) -> bool:
+        return self.slots.get(self.slot) is not self.row
+
+
+class SuffixDrafter:
+    name = "suffix"
+    graphable = False
+
+    def __init__(self, config: SuffixConfig) -> None:
+        self.config = config
+        self.index = GlobalIndex(config.max_tokens)
+        self.held: list[Held] = []  # rows joined, oldest first, not yet in the global index
+
+    def shape(self, gamma: int) -> DraftShape:
+        if self.config.tree_nodes:
+            return DraftShape(width=self.config.tree_nodes, depth=gamma, tree=True)
+        return DraftShape(width=gamma, depth=gamma)
+
+    def attach(self, batch) -> None:
+        batch.draft = {}
+
+    def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
+        self.retire_released()
+        for slot in slots.tolist():
+            text = row_tokens(batch, slot)
+            batch.draft[slot] = RowState(text, build_automaton(text))
+            self.held.append(Held(batch.draft, slot, batch.draft[slot]))
+
+    def retire_released(self) -> None:
+        """Add the rows that have left their slots to the global index, in the order they joined."""
+        for held in [h for h in self.held if h.released]:
+            add_request(self.index, held.row.text)
+        self.held = [h for h in self.held if not h.released]
+
+    def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
+        shape = self.shape(gamma)
+        B, N = batch.capacity, shape.width
+        tokens = torch.zeros(B, N, dtype=torch.long)  # [B, N]
+        parents = torch.full((B, N), -1, dtype=torch.long)  # [B, N]
+        num_nodes = torch.zeros(B, dtype=torch.long)  # [B]
+        active = batch.active.tolist()
+        for slot, row in rows_in_view(batch):
+            if not active[slot]:
+                continue
+            draft = self.best_draft(row, shape)
+            n = len(draft.tokens)
+            tokens[slot, :n] = torch.tensor(draft.tokens, dtype=torch.long)
+            parents[slot, :n] = torch.tensor(draft.parents, dtype=torch.long)
+            num_nodes[slot] = n
+        tokens, num_nodes = tokens.to(batch.device), num_nodes.to(batch.device)
+        if not shape.tree:
+            return Proposal(tokens=tokens, num_drafted=num_nodes)
+        tree = TreeSpec(parents.to(batch.device), num_nodes, shape.depth, self.config.max_children)
+        return Proposal(tokens=tokens, tree=tree)
+
+    def best_draft(self, row: RowState, shape: DraftShape) -> Draft:
+        """The highest-scoring draft of the row's own index and the global generations."""
+        c = self.config
+        max_nodes, max_children = (shape.width, c.max_children) if shape.tree else (shape.depth, 1)
+        pattern = row.text[-c.max_pattern :]
+        candidates = [(row.automaton, match_own_text(row.automaton))]
+        candidates += [(sam, match_pattern(sam, pattern)) for sam in self.index.generations]
+        best = Draft()
+        for sam, match in candidates:
+            max_spec = min(shape.depth, int(c.max_spec_factor * match.length))
+            if max_spec == 0:
+                continue
+            draft = grow_draft(sam, match, max_nodes, max_spec, max_children, c.min_token_prob)
+            if draft.score > best.score:
+                best = draft
+        return best
+
+    def commit(self, batch, verified: Verified) -> None:
+        kept, lengths = verified.kept.tolist(), batch.length.tolist()
+        for slot, row in rows_in_view(batch):
+            if kept[slot]:
+                new = batch.tokens[slot, len(row.text) : lengths[slot]].tolist()
+                row.text += new
+                for token in new:
+                    append_token(row.automaton, token)
+
+
+@register("suffix")
+def build(target, options: DrafterOptions) -> SuffixDrafter:
+    return SuffixDrafter(SuffixConfig.of(options.extra))

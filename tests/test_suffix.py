@@ -1,0 +1,311 @@
+"""The `suffix` drafter (SuffixDecoding): its suffix automaton (occurrence counts, longest match, most
+frequent continuation), the global index's memory bound and eviction, sharing across requests (an
+engine's later calls, the server's later requests), and losslessness: greedy output equal to plain greedy
+decoding on unsharpened tiny models (near-ties), sampled output following the target's distribution.
+The step invariants and chunked prefill are checked for it in test_step.py and test_chunked_prefill.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+import specdec
+import specdec.verify
+from conftest import DEVICE, build_hf, save_hf, tiny_pair
+from specdec import SamplingParams, SpecConfig
+from specdec.batch import Request, eos_ids
+from specdec.drafters import DrafterOptions, build_drafter
+from specdec.drafters.base import DraftShape
+from specdec.drafters.suffix import (
+    GlobalIndex,
+    Match,
+    RowState,
+    SuffixAutomaton,
+    SuffixConfig,
+    SuffixDrafter,
+    add_request,
+    add_text,
+    build_automaton,
+    grow_draft,
+    match_own_text,
+    match_pattern,
+)
+from specdec.errors import UserError
+from specdec.models import load_model
+from specdec.step import new_stepper
+from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
+from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
+
+TREE = {"tree_nodes": 6, "max_children": 2}
+
+
+def occurrences(texts: list[list[int]], s: list[int]) -> int:
+    return sum(t[i : i + len(s)] == s for t in texts for i in range(len(t) - len(s) + 1))
+
+
+def state_of(sam: SuffixAutomaton, s: list[int]) -> int | None:
+    state = 0
+    for token in s:
+        state = sam.next[state].get(token)
+        if state is None:
+            return None
+    return state
+
+
+# ---- the automaton -------------------------------------------------------------------------------
+
+
+def test_counts_are_occurrences_and_states_stay_linear():
+    """Every substring (up to 5 tokens, 3-token alphabet) of 1-4 texts is in the automaton iff it occurs, with
+    its number of occurrences as the count; at most 2n + 1 states for n tokens."""
+    rng = random.Random(0)
+    for _ in range(200):
+        texts = [[rng.randrange(3) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 4))]
+        sam = SuffixAutomaton()
+        for text in texts:
+            add_text(sam, text)
+        for n in range(1, 6):
+            for s in map(list, itertools.product(range(3), repeat=n)):
+                state, expected = state_of(sam, s), occurrences(texts, s)
+                assert (state is not None) == (expected > 0), (texts, s)
+                assert state is None or sam.count[state] == expected, (texts, s)
+        assert len(sam.next) <= 2 * sum(map(len, texts)) + 1
+        assert sam.tokens == sum(map(len, texts))
+
+
+def test_the_pattern_is_the_longest_suffix_with_a_continuation():
+    rng = random.Random(1)
+    for _ in range(300):
+        texts = [[rng.randrange(3) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 3))]
+        sam = SuffixAutomaton()
+        for text in texts:
+            add_text(sam, text)
+        query = [rng.randrange(3) for _ in range(rng.randint(1, 8))]
+        longest = max([n for n in range(1, len(query) + 1)
+                       if any(occurrences(texts, query[-n:] + [t]) for t in range(3))], default=0)
+        assert match_pattern(sam, query).length == longest, (texts, query)
+        own = texts[0]  # in its own text: the longest suffix that occurred before the end
+        longest = max([n for n in range(1, len(own)) if occurrences([own[:-1]], own[-n:])], default=0)
+        assert match_own_text(build_automaton(own)).length == longest, own
+
+
+def test_a_match_is_exact_and_spans_earlier_texts():
+    sam = SuffixAutomaton()
+    add_text(sam, [1, 2, 3, 4, 5])
+    add_text(sam, [9, 2, 3, 7])
+    assert match_pattern(sam, [8, 1, 2, 3]) == Match(state_of(sam, [1, 2, 3]), 3)  # continues with 4
+    assert match_pattern(sam, [9, 2, 3]).length == 3  # continues with 7
+    assert match_pattern(sam, [6, 6, 3]).length == 1
+    assert match_pattern(sam, [5]).length == 0  # 5 ends a text: nothing ever followed it
+    assert match_pattern(sam, [42]).length == 0
+
+
+def test_the_draft_follows_the_most_frequent_continuation():
+    """After 'a b': c three times, d once. The chain takes c (3/4), then what followed 'a b c' most."""
+    a, b, c, d, e, f = range(1, 7)
+    sam = SuffixAutomaton()
+    for text in ([a, b, c, e], [a, b, c, e], [a, b, c, f], [a, b, d]):
+        add_text(sam, text)
+    match = match_pattern(sam, [9, a, b])
+    assert match.length == 2
+    chain = grow_draft(sam, match, max_nodes=4, max_depth=4, max_children=1, min_token_prob=0.0)
+    assert chain.tokens == [c, e] and chain.parents == [-1, 0]
+    assert chain.probs == pytest.approx([3 / 4, 3 / 4 * 2 / 3])
+    tree = grow_draft(sam, match, max_nodes=4, max_depth=4, max_children=2, min_token_prob=0.0)
+    assert tree.tokens == [c, e, d, f] and tree.parents == [-1, 0, -1, 0]  # best-first: 3/4, 1/2, 1/4, 1/4
+    assert grow_draft(sam, match, 4, 4, 2, min_token_prob=0.3).tokens == [c, e]  # d and f fall below 0.3
+    assert grow_draft(sam, match, 4, 1, 2, min_token_prob=0.0).tokens == [c, d]  # depth bound
+
+
+def test_draft_length_follows_the_match_length():
+    """MAX_SPEC = floor(max_spec_factor x p): a one-token pattern drafts one token, a longer one more."""
+    drafter = SuffixDrafter(SuffixConfig())
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    drafter.index = GlobalIndex(100)
+    add_request(drafter.index, text)
+    chain = DraftShape(width=6, depth=6)
+    assert drafter.best_draft(RowState([5], build_automaton([5])), chain).tokens == [6]
+    assert drafter.best_draft(RowState([3, 4, 5], build_automaton([3, 4, 5])), chain).tokens == [6, 7, 8]
+    assert drafter.best_draft(RowState([9], build_automaton([9])), chain).tokens == []
+    drafter = SuffixDrafter(SuffixConfig(max_spec_factor=4.0))
+    add_request(drafter.index, text)
+    assert drafter.best_draft(RowState([5], build_automaton([5])), chain).tokens == [6, 7, 8]
+
+
+def test_the_row_drafts_from_its_own_text():
+    drafter = SuffixDrafter(SuffixConfig())
+    text = [7, 1, 2, 3, 4, 8, 1, 2, 3]
+    draft = drafter.best_draft(RowState(text, build_automaton(text)), DraftShape(width=4, depth=4))
+    assert draft.tokens == [4, 8, 1]  # p = 3: the pattern 1 2 3 occurred before, followed by 4 8 1 2 ...
+
+
+# ---- the global index ----------------------------------------------------------------------------
+
+
+def test_the_global_index_is_bounded_and_evicts_the_oldest_requests():
+    index = GlobalIndex(max_tokens=100)  # generations of 50 tokens
+    requests = [[1000 * r + i for i in range(20)] for r in range(6)]  # distinct tokens: request r is 1000r...
+    found = []
+    for text in requests:
+        add_request(index, text)
+        assert index.tokens <= 100
+        found.append([any(match_pattern(sam, requests[r][:3]).length == 3 for sam in index.generations)
+                      for r in range(len(requests))])
+    assert found[1][:2] == [True, True]  # both in the newer generation
+    assert found[2][:3] == [True, True, True]  # 0 and 1 moved to the older one
+    assert found[4][:5] == [False, False, True, True, True]  # dropped with it, oldest first
+    assert found[5] == [False, False, True, True, True, True]
+    long = list(range(500, 700))
+    add_request(index, long)  # longer than a generation: its last 50 tokens are kept
+    assert index.newer.tokens == 50 and match_pattern(index.newer, long[-50:-45]).length == 5
+    assert match_pattern(index.newer, long[:5]).length == 0
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"max_tokens": 1}, "max_tokens must be an integer >= 2, got 1"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
+    ({"max_pattern": 0}, "max_pattern must be an integer >= 1"),
+    ({"max_spec_factor": 0}, "max_spec_factor must be a number > 0"),
+    ({"max_spec_factor": float("inf")}, "max_spec_factor must be a number, got inf"),
+    ({"min_token_prob": 1.5}, "min_token_prob must be a number in [0, 1]"),
+    ({"tree_nodes": -1}, "tree_nodes must be an integer >= 0"),
+    ({"max_children": "2"}, "max_children must be an integer, got '2'"),
+    ({"tree_nodes": True}, "tree_nodes must be an integer, got True"),
+])
+def test_bad_options_are_one_line_user_errors(extra, words):
+    with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        build_drafter("suffix", None, DrafterOptions(extra=extra))
+
+
+def test_options_come_from_extra_and_other_drafters_keys_are_ignored():
+    drafter = build_drafter("suffix", None, DrafterOptions(extra={"tree_nodes": 5, "window": 3, "max_tokens": 1000}))
+    assert drafter.config == SuffixConfig(max_tokens=1000, tree_nodes=5)
+    assert drafter.shape(4) == DraftShape(width=5, depth=4, tree=True)
+    assert build_drafter("suffix", None).shape(4) == DraftShape(width=4, depth=4)
+
+
+# ---- through the engine and the server -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """An unsharpened tiny float32 target on the exact kernels (near-ties everywhere) and its plain greedy outputs."""
+    folder = save_hf(build_hf("llama", seed=0, num_hidden_layers=3), tmp_path_factory.mktemp("suffix-flat") / "t")
+    target = load_model(str(folder), dtype="float32", device=DEVICE, kernels="exact")
+    out = specdec.SpecEngine(target, "none").generate(PROMPTS, SpecConfig(max_new_tokens=MAX_NEW))
+    return target, [r.token_ids for r in out.rows]
+
+
+@pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_greedy_equals_plain_alone_batched_and_again(flat, extra, gamma):
+    """One drafter instance: one prompt, then all three (that prompt now in the global index), then all
+    three again (all in it): each output equals plain greedy decoding."""
+    target, expected = flat
+    engine = specdec.SpecEngine(target, "suffix", DrafterOptions(extra=extra))
+    config = SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW)
+    assert [r.token_ids for r in engine.generate(PROMPTS[2:], config).rows] == expected[2:]
+    for _ in range(2):
+        out = engine.generate(PROMPTS, config)
+        assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
+def test_the_same_prompts_again_accept_far_more(models, extra):  # noqa: F811
+    """The second pass of the same prompts through one engine drafts from the first pass's outputs."""
+    target, _, _ = models
+    engine = specdec.SpecEngine(target, "suffix", DrafterOptions(extra=extra))
+    config = SpecConfig(gamma=4, max_new_tokens=MAX_NEW)
+    first, second = (engine.generate(PROMPTS, config).stats for _ in range(2))
+    assert second.accepted >= first.accepted + MAX_NEW, (first.accepted, second.accepted)
+    assert second.acceptance_rate > 0.8 and second.steps < first.steps
+
+
+def test_a_second_identical_request_through_the_server_accepts_more(models):  # noqa: F811
+    """The server keeps one drafter for every request: a request that finished is drafted from by the next."""
+    from specdec.server.policy import SpecPolicy
+    from specdec.server.scheduler import GenerationRequest, Scheduler, SchedulerConfig
+
+    target, _, _ = models
+    scheduler = Scheduler(target, build_drafter("suffix", target), Codec(), SpecPolicy("on", gamma=4),
+                          SchedulerConfig(max_batch=2, context=128))
+    accepted, outputs = [], []
+    for _ in range(2):
+        events = []
+        emit = lambda event: events.append(dataclasses.replace(event, token_ids=list(event.token_ids)))  # noqa: E731
+        scheduler.submit(GenerationRequest(PROMPTS[0], MAX_NEW, SamplingParams(), (), emit))
+        while not events or not events[-1].final:
+            scheduler.turn()
+        outputs.append([t for e in events for t in e.token_ids])
+        accepted.append(events[-1].usage["speculation"]["accepted"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == MAX_NEW
+    assert accepted[1] >= accepted[0] + 10, accepted  # 15 and 31 (at gamma 4, 31 is every draft of 39 tokens)
+
+
+class Codec:
+    """The scheduler's codec for a model without a tokenizer: token ids only, no text."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def test_rows_joining_and_leaving_decode_as_alone(models, plain):  # noqa: F811
+    """Slot 1 leaves early and a new row takes it (the leaving row then enters the global index) while slot 0
+    runs on; a third row joins slot 2: every row gives the tokens of decoding its prompt alone."""
+    target, _, _ = models
+    drafter = build_drafter("suffix", target)
+    stepper = new_stepper(target, drafter, 3, 128, list(eos_ids(target)))
+    batch = stepper.batch
+    batch.gamma.fill_(3)
+    first, leaving = stepper.prefill([0, 1], [Request(PROMPTS[0], MAX_NEW), Request(PROMPTS[1], MAX_NEW)])
+    for _ in range(3):
+        stepper.launch(3)
+        stepper.read()
+    batch.release(1)
+    joined = stepper.prefill([1, 2], [Request(PROMPTS[2], MAX_NEW), Request(PROMPTS[1], MAX_NEW)])
+    assert drafter.index.tokens == len(PROMPTS[1]) + len(leaving.generated)  # the row that left, prompt and output
+    batch.gamma.fill_(3)
+    while batch.busy:
+        stepper.launch(3)
+        stepper.read()
+    assert first.generated == plain[0]
+    assert [r.generated for r in joined] == [plain[2], plain[1]]
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """test_sampling_e2e's tiny target: a VOCAB-token vocabulary, so each position has few likely tokens."""
+    return tiny_pair(tmp_path_factory.mktemp("suffix-e2e"), "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
+
+
+def sample(target, drafter, seed: int, extra: dict | None = None):
+    spec = SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))
+    return specdec.SpecEngine(target, drafter, DrafterOptions(extra=extra or {})).generate([PROMPT] * ROWS, spec)
+
+
+@pytest.fixture(scope="module")
+def plain_sample(small):
+    return tokens_of(sample(small, "none", seed=1))
+
+
+@pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
+def test_sampling_matches_plain(small, plain_sample, extra):
+    out = sample(small, "suffix", seed=2, extra=extra)
+    assert 0 < out.stats.accepted < out.stats.drafted
+    pvalues = distribution_pvalues(tokens_of(out), plain_sample)
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
+
+
+def test_a_broken_verifier_is_caught_with_suffix_drafts(small, plain_sample, monkeypatch):
+    monkeypatch.setattr(specdec.verify, "rejection_sample", always_accept)
+    pvalues = distribution_pvalues(tokens_of(sample(small, "suffix", seed=2)), plain_sample)
+    assert min(pvalues.values()) < ALPHA, pvalues
