@@ -135,6 +135,17 @@ def test_draft_length_follows_the_match_length():
     assert drafter.best_draft(RowState([5], build_automaton([5])), chain).tokens == [6, 7, 8]
 
 
+def test_on_equal_scores_the_longer_pattern_drafts():
+    """The row's own text matches 1 token (then 6), the global index 3 (then 7): one-token drafts of
+    probability 1 each, so the longer match decides."""
+    drafter = SuffixDrafter(SuffixConfig())
+    add_request(drafter.index, [1, 2, 5, 7, 8])
+    text = [5, 6, 1, 2, 5]
+    row = RowState(text, build_automaton(text))
+    assert drafter.best_draft(row, DraftShape(width=1, depth=1)).tokens == [7]
+    assert drafter.best_draft(row, DraftShape(width=3, depth=3)).tokens == [7, 8]  # a higher score too
+
+
 def test_the_row_drafts_from_its_own_text():
     drafter = SuffixDrafter(SuffixConfig())
     text = [7, 1, 2, 3, 4, 8, 1, 2, 3]
