@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 DRAFTER_HELP = ("none, ngram, draft_model, eagle, medusa (trained; shipped for the default model), "
-                "lookahead, layer_skip, quantized (training-free)")
+                "lookahead, layer_skip, quantized, suffix (training-free)")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
