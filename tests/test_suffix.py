@@ -225,6 +225,17 @@ def test_greedy_equals_plain_alone_batched_and_again(flat, extra, gamma):
     assert out.stats.accepted > 0
 
 
+@pytest.mark.parametrize("policy", ["heuristic", "cost"])
+@pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
+def test_adaptive_gamma_is_lossless(flat, policy, extra):
+    """The policies change gamma between steps (the cost policy may choose 0: no proposal at all)."""
+    target, expected = flat
+    engine = specdec.SpecEngine(target, "suffix", DrafterOptions(extra=extra))
+    config = SpecConfig(gamma=2, gamma_policy=policy, gamma_max=6, max_new_tokens=MAX_NEW)
+    for _ in range(2):
+        assert [r.token_ids for r in engine.generate(PROMPTS, config).rows] == expected
+
+
 @pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
 def test_the_same_prompts_again_accept_far_more(models, extra):  # noqa: F811
     """The second pass of the same prompts through one engine drafts from the first pass's outputs."""
