@@ -52,6 +52,6 @@ def attend(q: Tensor, k_all: Tensor, v_all: Tensor, attn_mask: Tensor) -> Tensor
     cpu_gemm.library().attend(
         q.data_ptr(), k_all.data_ptr(), v_all.data_ptr(), attn_mask.data_ptr(), out.data_ptr(), q.dtype == torch.bfloat16,
         B, H, Hkv, T, S, Dh, 1.0 / math.sqrt(Dh), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        0 if attn_mask.shape[0] == 1 else ms[0], ms[2], torch.get_num_threads(),
+        0 if attn_mask.shape[0] == 1 else ms[0], ms[2], cpu_gemm.threads(),
     )
     return out.transpose(1, 2)

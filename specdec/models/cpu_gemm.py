@@ -53,6 +53,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -66,8 +67,10 @@ SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "cpu_att
 HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # part of the cache key, not of the command line
 FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fPIC", "-shared"]
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in skinny_gemm.c
+BLOCK_TYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}  # GGUF block formats in uint8 panels (cpu_quant.py), same enum
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
 STATUS: dict = {"available": False, "isa": None, "library": None, "error": None}
+KERNEL_THREADS = [0]  # the kernels' threads inside `kernels_own_threads`; 0: torch.get_num_threads()
 
 
 class BuildError(Exception):
@@ -139,6 +142,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_float] + [ctypes.c_ssize_t] * 11 + [ctypes.c_int]
     lib.specdec_layers.restype = ctypes.c_int
     lib.specdec_layers.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
+    lib.specdec_dequantize_rows.restype = None
+    lib.specdec_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.specdec_rms_norm.restype = None
     lib.specdec_rms_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     return lib
@@ -192,6 +197,28 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def threads() -> int:
+    """Threads the kernels run on: PyTorch's intra-op count, or what it was when `kernels_own_threads` began."""
+    return KERNEL_THREADS[0] or torch.get_num_threads()
+
+
+@contextmanager
+def kernels_own_threads():
+    """Inside: the kernels keep PyTorch's thread count, and PyTorch's own operations run on one thread.
+    Between kernel calls a step makes small PyTorch operations (argmax and softmax over logits, top-k,
+    gathers); on two threads their OpenMP team waited for a core the kernels' idle workers were still
+    spinning on (cpu_threads.c), and an EAGLE tree's log_softmax over [10, 8192] took 3.7 ms (median of
+    117) on the 2-core CI-like CPU. One thread is also plenty for their sizes."""
+    outer, kept = torch.get_num_threads(), KERNEL_THREADS[0]
+    KERNEL_THREADS[0] = kept or outer
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(outer)
+        KERNEL_THREADS[0] = kept
+
+
 def available() -> bool:
     return library() is not None
 
@@ -243,17 +270,23 @@ def pad_bias(bias: Tensor | None, packed: Tensor) -> Tensor | None:
     return torch.nn.functional.pad(bias.detach().float(), (0, packed.shape[0] * NR - bias.shape[0])).contiguous()
 
 
+def weight_type(packed: Tensor, qtype: str | None = None) -> int:
+    """skinny_gemm's weight type of panels: a GGUF block format by name (uint8 panels), else by dtype."""
+    return BLOCK_TYPES[qtype] if qtype is not None else WEIGHT_TYPES[packed.dtype]
+
+
 def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, scales: Tensor | None = None,
-         out_dtype: torch.dtype | None = None) -> Tensor:
+         out_dtype: torch.dtype | None = None, qtype: str | None = None) -> Tensor:
     """x [..., K] float32 or bfloat16 -> [..., out_features] = x @ W.T + bias in out_dtype (default x's
-    dtype), accumulated in float32, with W packed by `pack` (float32 or bfloat16 panels) or `pack_int8`
-    (then `scales` is given), bias padded by `pad_bias`. (Lean: a decode forward makes ~120 of these calls.)"""
+    dtype), accumulated in float32, with W packed by `pack` (float32 or bfloat16 panels), `pack_int8`
+    (then `scales` is given) or `cpu_quant.pack_blocks` (then `qtype` names the GGUF format), bias
+    padded by `pad_bias`. (Lean: a decode forward makes ~120 of these calls.)"""
     x = x.contiguous()
     K, N = x.shape[-1], packed.shape[0] * NR
     y = x.new_empty(x.shape[:-1] + (N,), dtype=out_dtype or x.dtype)
-    library().skinny_gemm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(), WEIGHT_TYPES[packed.dtype],
+    library().skinny_gemm(x.data_ptr(), x.dtype == torch.bfloat16, packed.data_ptr(), weight_type(packed, qtype),
                           None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                          y.data_ptr(), y.dtype == torch.bfloat16, x.shape[:-1].numel(), K, N, torch.get_num_threads())
+                          y.data_ptr(), y.dtype == torch.bfloat16, x.shape[:-1].numel(), K, N, threads())
     return y if N == out_features else y[..., :out_features]
 
 

@@ -9,7 +9,8 @@ cpu_layer.c: the same products and attention (bit for bit), the same fixed reduc
 token's outputs are bitwise independent of T, B, trees and threads), the same roundings to bfloat16
 (listed in the C file; one deviation: RoPE rounds once, in float32, where PyTorch rounds cos, sin and
 each step). It covers what the native models have: GQA, q/k/v biases, Qwen3's q/k norms, a sliding
-window, a layer without an input norm (EAGLE), int8 layers (views.int8_copy).
+window, a layer without an input norm (EAGLE), int8 layers (views.quantized_copy), GGUF Q4_0 / Q4_1 / Q8_0
+layers (cpu_quant.py).
 
 `norm_and_logits` does the final norm and the logits (float32, straight from the kernel's float32
 sums). It matters as much: PyTorch's conversion of a bfloat16 row of 49,152 logits to float32 is
@@ -145,7 +146,7 @@ def linear_problem(lin: nn.Module, in_features: int, out_features: int) -> str |
         return "a Linear layer not packed for the C kernels (kernels='library'?)"
     if (lin.in_features, lin.out_features) != (in_features, out_features):
         return f"a {lin.in_features} x {lin.out_features} Linear where {in_features} x {out_features} was expected"
-    if lin.packed.dtype not in cpu_gemm.WEIGHT_TYPES or (lin.packed.dtype == torch.int8) != (lin.scales is not None):
+    if lin.qtype is None and (lin.packed.dtype not in cpu_gemm.WEIGHT_TYPES or (lin.packed.dtype == torch.int8) != (lin.scales is not None)):
         return f"{lin.packed.dtype} panels"
     return None
 
@@ -198,7 +199,7 @@ def model_dims(layer: nn.Module) -> Dims | str:
 
 def linear_args(lin: nn.Module) -> LinearArgs:
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return LinearArgs(lin.packed.data_ptr(), ptr(lin.scales), ptr(lin.packed_bias), cpu_gemm.WEIGHT_TYPES[lin.packed.dtype],
+    return LinearArgs(lin.packed.data_ptr(), ptr(lin.scales), ptr(lin.packed_bias), cpu_gemm.weight_type(lin.packed, lin.qtype),
                       lin.packed.shape[0] * cpu_gemm.NR)
 
 
@@ -265,7 +266,7 @@ def run_layers_cpu(
     inv_freq = inv_freq.to("cpu", torch.float32).contiguous()  # [Dh / 2]
     s_layer, s_row, s_head, s_slot, _ = cache.k.stride()
     stack = StackArgs(
-        B, T, dims.D, dims.H, dims.Hkv, dims.Dh, dims.I, x.dtype == torch.bfloat16, torch.get_num_threads(),
+        B, T, dims.D, dims.H, dims.Hkv, dims.Dh, dims.I, x.dtype == torch.bfloat16, cpu_gemm.threads(),
         positions.data_ptr(), lengths.data_ptr(), None if mask is None else mask.data_ptr(),
         0 if mask is None else mask.shape[-1],
         window or 0, inv_freq.data_ptr(), rope_attention_factor, cache.k.data_ptr(), cache.v.data_ptr(),
@@ -294,5 +295,6 @@ def norm_and_logits(norm: nn.Module, lm_head: nn.Module, x: Tensor, logits_at: T
     cpu_gemm.library().specdec_rms_norm(x.data_ptr(), hidden.data_ptr(), x.shape[:-1].numel(), x.shape[-1],
                                         norm.weight.data_ptr(), norm.eps, x.dtype == torch.bfloat16)
     h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
-    logits = cpu_gemm.gemm(h, lm_head.packed, lm_head.packed_bias, lm_head.out_features, lm_head.scales, out_dtype=torch.float32)
+    logits = cpu_gemm.gemm(h, lm_head.packed, lm_head.packed_bias, lm_head.out_features, lm_head.scales, out_dtype=torch.float32,
+                           qtype=lm_head.qtype)
     return hidden, logits

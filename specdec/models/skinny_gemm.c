@@ -8,7 +8,10 @@
  * that). Nothing here splits K, and the number of rows only decides how many chunks run.
  *
  * Weight types: float32, bfloat16 (converted to float32 in registers: exact, then the same
- * arithmetic as float32) and int8 with one float scale per output column (Y = (X @ Wq) * scale + bias).
+ * arithmetic as float32), int8 with one float scale per output column (Y = (X @ Wq) * scale + bias),
+ * and GGUF's block formats Q4_0, Q4_1 and Q8_0 (see "GGUF blocks" below: each weight is dequantised
+ * in registers exactly as gguf's reference dequantises it, then takes the float32 arithmetic, so the
+ * product is bitwise the float32 kernel's on the dequantised weight).
  * Activations X and outputs Y are float32 or bfloat16 (converted on the way in, rounded to nearest
  * even on the way out, as PyTorch rounds), always accumulated in float32.
  *
@@ -43,7 +46,59 @@ float *specdec_scratch(size_t n);
 #define WIDE 4 /* panels a single row runs through at once */
 #define L2_BLOCK_BYTES (192 * 1024) /* weights per panel block: fits a 512 KiB L2 beside X and Y */
 
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_Q8_0 = 5 };
+#define WEIGHT_TYPES 6
+
+/* GGUF blocks. cpu_quant.py repacks a GGUF tensor of QK = 32 weights per block along K into panels of
+ * NR columns; a panel is K / QK blocks, each block the 16 columns' float16 scales d (Q4_1: then their
+ * float16 minimums m), then QK rows of the 16 columns' quantised weights: 16 int8 (Q8_0), or 8 bytes
+ * holding column j in the low nibble of byte j and column j + 8 in the high nibble (Q4_0, Q4_1).
+ * A weight is, as in gguf's reference (gguf.quants): Q4_0 d * (q - 8), Q4_1 d * q + m (a product, then
+ * a sum: -ffp-contract=off keeps them apart), Q8_0 q * d, with float16 -> float32 exact. The bytes per
+ * weight are GGUF's own (Q4_0 0.5625, Q4_1 0.625, Q8_0 1.0625). */
+#define QK 32
+#define Q4_0_BLOCK (NR * 2 + QK * NR / 2)
+#define Q4_1_BLOCK (NR * 4 + QK * NR / 2)
+#define Q8_0_BLOCK (NR * 2 + QK * NR)
+
+static int block_quantised(int wtype) { return wtype >= W_Q4_0; }
+
+static size_t block_bytes_of(int wtype) { return wtype == W_Q4_0 ? Q4_0_BLOCK : wtype == W_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK; }
+
+/* Bytes of one panel of K weights per column, as stored. */
+static size_t panel_bytes_of(int wtype, int K) {
+    static const size_t per_weight[3] = {4, 2, 1};
+    return block_quantised(wtype) ? (size_t)(K / QK) * block_bytes_of(wtype) : (size_t)K * NR * per_weight[wtype];
+}
+
+/* Exact float16 -> float32 (the portable code's; the AVX2 code converts with F16C). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    uint32_t u = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* normal */
+    if (exponent == 0x1f) u = sign | 0x7f800000u | (mantissa << 13);   /* inf, NaN */
+    float f;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
+        f = (float)mantissa * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Weight (k, j) of a block-quantised panel, dequantised as gguf does. */
+static inline float block_weight(const uint8_t *panel, int wtype, int k, int j) {
+    const uint8_t *blk = panel + (size_t)(k / QK) * block_bytes_of(wtype);
+    uint16_t bits;
+    memcpy(&bits, blk + 2 * j, 2);
+    const float d = f16_to_f32(bits);
+    if (wtype == W_Q8_0) return (float)((const int8_t *)blk)[NR * 2 + (k % QK) * NR + j] * d;
+    const int head = wtype == W_Q4_1 ? NR * 4 : NR * 2;
+    const uint8_t byte = blk[head + (k % QK) * (NR / 2) + j % (NR / 2)];
+    const int q = j < NR / 2 ? byte & 15 : byte >> 4;
+    if (wtype == W_Q4_0) return d * (float)(q - 8);
+    memcpy(&bits, blk + NR * 2 + 2 * j, 2);
+    return d * (float)q + f16_to_f32(bits);
+}
 
 /* bfloat16 panels: in each row of 16 weights, columns 4-7 and 8-11 trade places (cpu_gemm.pack lays
  * them out so), because AVX2's unpack instructions widen 16 bfloat16 values lane by lane: positions
@@ -126,6 +181,93 @@ const char *specdec_isa(void) { return "avx2"; }
         _mm256_storeu_ps(y + (i) * NR, s ? _mm256_fmadd_ps(l##i, _mm256_loadu_ps(s), b0) : _mm256_add_ps(l##i, b0)); \
         _mm256_storeu_ps(y + (i) * NR + 8, s ? _mm256_fmadd_ps(h##i, _mm256_loadu_ps(s + 8), b1) : _mm256_add_ps(h##i, b1)); \
     }
+
+/* GGUF blocks in registers. SETUP_x(blk, i) reads block blk's scales as d0_i, d1_i (columns 0-7,
+ * 8-15) and minimums m0_i, m1_i; LOADQ_x(blk, kk, i) dequantises row kk of the block into w0, w1. */
+#define F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define SETUP_Q4_0(blk, i) const __m256 d0_##i = F16X8(blk), d1_##i = F16X8((blk) + 16);
+#define SETUP_Q8_0(blk, i) SETUP_Q4_0(blk, i)
+#define SETUP_Q4_1(blk, i) SETUP_Q4_0(blk, i) const __m256 m0_##i = F16X8((blk) + 32), m1_##i = F16X8((blk) + 48);
+#define NIBBLES(blk, head, kk)                                                                            \
+    const __m256i n = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((blk) + (head) + (kk) * 8)));   \
+    const __m256i lo = _mm256_and_si256(n, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(n, 4);
+#define LOADQ_Q4_0(blk, kk, i)                                                                            \
+    NIBBLES(blk, 32, kk)                                                                                  \
+    const __m256 w0 = _mm256_mul_ps(d0_##i, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, _mm256_set1_epi32(8)))); \
+    const __m256 w1 = _mm256_mul_ps(d1_##i, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, _mm256_set1_epi32(8))));
+#define LOADQ_Q4_1(blk, kk, i)                                                                            \
+    NIBBLES(blk, 64, kk)                                                                                  \
+    const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d0_##i, _mm256_cvtepi32_ps(lo)), m0_##i);                \
+    const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d1_##i, _mm256_cvtepi32_ps(hi)), m1_##i);
+#define LOADQ_Q8_0(blk, kk, i)                                                                            \
+    const __m128i q = _mm_loadu_si128((const __m128i *)((blk) + 32 + (kk) * NR));                         \
+    const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d0_##i);                  \
+    const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q))), d1_##i);
+
+/* As KERNEL, block by block: the same FMA chain over k per output. */
+#define KERNEL_Q(NAME, FMT, R)                                                                            \
+    static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
+                           const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
+        const uint8_t *restrict blk = wv;                                                                 \
+        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;                     \
+        __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;                                      \
+        for (int k0 = 0; k0 < K; k0 += QK, blk += FMT##_BLOCK) {                                         \
+            SETUP_##FMT(blk, 0)                                                                           \
+            for (int k = k0; k < k0 + QK; k++) {                                                          \
+                LOADQ_##FMT(blk, k - k0, 0)                                                               \
+                ROW(0, R) ROW(1, R) ROW(2, R) ROW(3, R) ROW(4, R) ROW(5, R)                               \
+            }                                                                                             \
+        }                                                                                                 \
+        const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);                          \
+        const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);                      \
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();                             \
+        const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();                         \
+        STORE(0, R) STORE(1, R) STORE(2, R) STORE(3, R) STORE(4, R) STORE(5, R)                           \
+    }
+/* As KERNEL_WIDE: one row times WIDE panels (pstride bytes apart). */
+#define KERNEL_WIDE_Q(NAME, FMT)                                                                          \
+    static void NAME##_wide(const float *restrict x, const void *restrict wv, size_t pstride, float *restrict y, \
+                            const float *restrict scale, const float *restrict bias, int K) {            \
+        const uint8_t *restrict blk0 = wv;                                                                \
+        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;   \
+        for (int k0 = 0; k0 < K; k0 += QK, blk0 += FMT##_BLOCK) {                                        \
+            const uint8_t *blk1 = blk0 + pstride, *blk2 = blk1 + pstride, *blk3 = blk2 + pstride;        \
+            SETUP_##FMT(blk0, 0) SETUP_##FMT(blk1, 1) SETUP_##FMT(blk2, 2) SETUP_##FMT(blk3, 3)          \
+            for (int k = k0; k < k0 + QK; k++) {                                                          \
+                const __m256 xk = _mm256_broadcast_ss(x + k);                                             \
+                PANEL_Q(FMT, 0) PANEL_Q(FMT, 1) PANEL_Q(FMT, 2) PANEL_Q(FMT, 3)                           \
+            }                                                                                             \
+        }                                                                                                 \
+        STORE_PANEL(0) STORE_PANEL(1) STORE_PANEL(2) STORE_PANEL(3)                                       \
+    }
+#define PANEL_Q(FMT, i)                                                                                   \
+    {                                                                                                     \
+        LOADQ_##FMT(blk##i, k - k0, i)                                                                    \
+        l##i = _mm256_fmadd_ps(xk, w0, l##i);                                                             \
+        h##i = _mm256_fmadd_ps(xk, w1, h##i);                                                             \
+    }
+#define KERNELS_FOR_Q(NAME, FMT)                                                                          \
+    KERNEL_Q(NAME, FMT, 1) KERNEL_Q(NAME, FMT, 2) KERNEL_Q(NAME, FMT, 3)                                  \
+    KERNEL_Q(NAME, FMT, 4) KERNEL_Q(NAME, FMT, 5) KERNEL_Q(NAME, FMT, 6)                                  \
+    KERNEL_WIDE_Q(NAME, FMT)                                                                              \
+    static const kernel_fn NAME##_table[MR + 1] = {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
+
+/* Panel p0's QK-row blocks of a block-quantised weight, dequantised into buf [K, NR]. */
+static void widen_blocks(const uint8_t *panel, int wtype, int K, float *buf) {
+    for (int k0 = 0; k0 < K; k0 += QK) {
+        const uint8_t *blk = panel + (size_t)(k0 / QK) * block_bytes_of(wtype);
+#define WIDEN(FMT)                                                                                        \
+        {                                                                                                 \
+            SETUP_##FMT(blk, 0)                                                                           \
+            for (int kk = 0; kk < QK; kk++) {                                                             \
+                LOADQ_##FMT(blk, kk, 0)                                                                   \
+                _mm256_storeu_ps(buf + (size_t)(k0 + kk) * NR, w0), _mm256_storeu_ps(buf + (size_t)(k0 + kk) * NR + 8, w1); \
+            }                                                                                             \
+        }
+        if (wtype == W_Q4_0) WIDEN(Q4_0) else if (wtype == W_Q4_1) WIDEN(Q4_1) else WIDEN(Q8_0)
+#undef WIDEN
+    }
+}
 #else
 const char *specdec_isa(void) { return "portable"; }
 
@@ -134,6 +276,10 @@ static const int BF16_COLUMN[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13
 #define WEIGHT_float(w, k, j) (w)[(size_t)(k) * NR + (j)]
 #define WEIGHT_uint16_t(w, k, j) bf16_to_f32((w)[(size_t)(k) * NR + BF16_COLUMN[j]])
 #define WEIGHT_int8_t(w, k, j) ((float)(w)[(size_t)(k) * NR + (j)])
+typedef uint8_t q4_0_block, q4_1_block, q8_0_block; /* a panel of GGUF blocks, read through block_weight */
+#define WEIGHT_q4_0_block(w, k, j) block_weight(w, W_Q4_0, k, j)
+#define WEIGHT_q4_1_block(w, k, j) block_weight(w, W_Q4_1, k, j)
+#define WEIGHT_q8_0_block(w, k, j) block_weight(w, W_Q8_0, k, j)
 #define KERNEL(NAME, WTYPE, LOAD, R)                                                                      \
     static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
@@ -155,6 +301,12 @@ static const int BF16_COLUMN[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13
 #define LOAD_F32(w, k)
 #define LOAD_BF16(w, k)
 #define LOAD_I8(w, k)
+#define KERNELS_FOR_Q(NAME, FMT) KERNELS_FOR(NAME, NAME##_block, )
+
+static void widen_blocks(const uint8_t *panel, int wtype, int K, float *buf) {
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < NR; j++) buf[(size_t)k * NR + j] = block_weight(panel, wtype, k, j);
+}
 #endif
 
 #define KERNELS_FOR(NAME, WTYPE, LOAD)                                                                    \
@@ -172,14 +324,21 @@ typedef void (*wide_fn)(const float *, const void *, size_t, float *, const floa
 KERNELS_FOR(f32, float, LOAD_F32)
 KERNELS_FOR(bf16, uint16_t, LOAD_BF16)
 KERNELS_FOR(i8, int8_t, LOAD_I8)
+KERNELS_FOR_Q(q4_0, Q4_0)
+KERNELS_FOR_Q(q4_1, Q4_1)
+KERNELS_FOR_Q(q8_0, Q8_0)
 
-static const kernel_fn *const tables[3] = {f32_table, bf16_table, i8_table};
-static const wide_fn wides[3] = {f32_wide, bf16_wide, i8_wide};
-static const size_t weight_bytes[3] = {4, 2, 1};
+static const kernel_fn *const tables[WEIGHT_TYPES] = {f32_table, bf16_table, i8_table, q4_0_table, q4_1_table, q8_0_table};
+static const wide_fn wides[WEIGHT_TYPES] = {f32_wide, bf16_wide, i8_wide, q4_0_wide, q4_1_wide, q8_0_wide};
 
-/* Panels [p0, p1) of type wtype (bfloat16 or int8), widened to float32 into buf, in natural column
+/* Panels [p0, p1) of type wtype (bfloat16, int8 or a GGUF block type), widened to float32 into buf, in natural column
  * order (exact: the float32 kernels then compute the same products and sums). */
 static void widen_panels(const void *packed, int wtype, int p0, int p1, int K, float *buf) {
+    if (block_quantised(wtype)) {
+        for (int p = p0; p < p1; p++)
+            widen_blocks((const uint8_t *)packed + (size_t)p * panel_bytes_of(wtype, K), wtype, K, buf + (size_t)(p - p0) * K * NR);
+        return;
+    }
     const size_t rows = (size_t)(p1 - p0) * K, start = (size_t)p0 * K * NR; /* rows of NR weights */
 #if defined(__AVX2__) && defined(__FMA__)
     if (wtype == W_BF16) {
@@ -228,7 +387,9 @@ static void gemm_task(void *arg, int task) {
     const gemm_job *g = arg;
     const int K = g->K, N = g->N, p0 = task * g->per_task;
     const int p1 = p0 + g->per_task < g->panels ? p0 + g->per_task : g->panels;
-    const size_t panel_bytes = (size_t)K * NR * weight_bytes[g->wtype];
+    const size_t panel_bytes = panel_bytes_of(g->wtype, K);
+    /* the wide kernels step panels in elements of their weight type (bytes for the block types) */
+    const size_t pstride = g->widen ? (size_t)K * NR : block_quantised(g->wtype) ? panel_bytes : (size_t)K * NR;
     const kernel_fn *table = tables[g->widen ? W_F32 : g->wtype];
     const wide_fn wide_kernel = wides[g->widen ? W_F32 : g->wtype];
     float *wide = NULL;
@@ -248,7 +409,7 @@ static void gemm_task(void *arg, int task) {
             float *out = g->y_bf16 ? tile : (float *)g->y + (size_t)m0 * N + (size_t)p * NR;
             const int ldo = g->y_bf16 ? np * NR : N;
             if (np == WIDE)
-                wide_kernel(g->x + (size_t)m0 * K, w, (size_t)K * NR, out, s, b, K);
+                wide_kernel(g->x + (size_t)m0 * K, w, pstride, out, s, b, K);
             else
                 table[mr](g->x + (size_t)m0 * K, w, out, s, b, K, ldo);
             if (g->y_bf16) {
@@ -261,7 +422,8 @@ static void gemm_task(void *arg, int task) {
     }
 }
 
-/* x: [M, K] float32 or bfloat16 (x_bf16); packed: [N/NR, K, NR] of wtype; scale (int8 only), bias: [N]
+/* x: [M, K] float32 or bfloat16 (x_bf16); packed: [N/NR, K, NR] of wtype (block types: N/NR panels of
+ * K/QK blocks; K a multiple of QK); scale (int8 only), bias: [N]
  * float32 or NULL; y: [M, N] float32 or bfloat16 (y_bf16). N is a multiple of NR. Up to `threads`
  * threads. */
 void skinny_gemm(const void *x_in, int x_bf16, const void *packed, int wtype, const float *scale, const float *bias,
@@ -274,9 +436,20 @@ void skinny_gemm(const void *x_in, int x_bf16, const void *packed, int wtype, co
         for (size_t i = 0; i < (size_t)M * K; i++) x_wide[i] = bf16_to_f32(((const uint16_t *)x_in)[i]);
     }
     const int panels = N / NR, widen = wtype != W_F32 && M > MR;
-    const size_t panel_bytes = (size_t)K * NR * (widen ? sizeof(float) : weight_bytes[wtype]); /* as the kernels read them */
+    const size_t panel_bytes = widen ? (size_t)K * NR * sizeof(float) : panel_bytes_of(wtype, K); /* as the kernels read them */
     gemm_job g = {x_wide ? x_wide : x_in, packed, scale, bias, y_out, wtype, widen, y_bf16, M, K, N, panels,
                   panels_per_task(panels, panel_bytes, M, threads)};
     specdec_parallel((panels + g.per_task - 1) / g.per_task, threads, gemm_task, &g);
     free(x_wide);
+}
+
+/* out[i, :] = row rows[i] (an output column) of a block-quantised packed weight [N, K], dequantised to
+ * float32 exactly as gguf's reference does it: a quantised embedding's lookups, and the dequantised
+ * copy a user asks for. */
+void specdec_dequantize_rows(const void *packed, int wtype, const int64_t *rows, int n, int K, float *out) {
+    const size_t panel_bytes = panel_bytes_of(wtype, K);
+    for (int i = 0; i < n; i++) {
+        const uint8_t *panel = (const uint8_t *)packed + (size_t)(rows[i] / NR) * panel_bytes;
+        for (int k = 0; k < K; k++) out[(size_t)i * K + k] = block_weight(panel, wtype, k, (int)(rows[i] % NR));
+    }
 }
