@@ -109,14 +109,17 @@ def cost_coefficient(draft_s: float, steps: int, gamma: float, t1: float) -> flo
 
 
 def weight_bytes_per_forward(model) -> int:
-    """Bytes of weights one decode forward reads: every parameter once (a tied LM head counted once),
-    except an untied embedding table, of which a forward reads only the rows of its tokens."""
+    """Bytes of weights one decode forward reads: every parameter and quantised panel once (a tied LM
+    head counted once), except an untied float embedding table, of which a forward reads only the rows
+    of its tokens."""
+    from specdec.models.cpu_quant import packed_bytes
+
     params = {id(p): p for p in model.parameters()}
     embed = getattr(model, "embed_tokens", None)
     lm_head = getattr(model, "lm_head", None)
-    if embed is not None and lm_head is not None and embed.weight is not lm_head.weight:
+    if isinstance(embed, torch.nn.Embedding) and lm_head is not None and embed.weight is not lm_head.weight:
         params.pop(id(embed.weight), None)
-    return sum(p.numel() * p.element_size() for p in params.values())
+    return sum(p.numel() * p.element_size() for p in params.values()) + packed_bytes(model)
 
 
 def copy_bandwidth(device: torch.device, gigabytes: float = 1.0, repeats: int = 10) -> float:

@@ -17,7 +17,7 @@ from specdec.models import cpu_gemm, cpu_layer, load_model
 from specdec.models.kernels import use_kernels
 from specdec.models.llama import DecoderLayer, build_attention_mask, run_layers
 from specdec.models.rope import rope_cos_sin
-from specdec.models.views import int8_copy
+from specdec.models.views import quantized_copy
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU kernels could not be built")
 
@@ -146,7 +146,7 @@ def test_a_batch_of_32_gives_each_row_the_bits_it_gets_alone(model):
 def variant(folders, name: str, dtype: str):
     """(model, window) for a covered feature."""
     if name == "int8":
-        return int8_copy(load_model(str(folders["llama"]), dtype=dtype, device="cpu")), None
+        return quantized_copy(load_model(str(folders["llama"]), dtype=dtype, device="cpu")), None
     model = load_model(str(folders[name.removesuffix("-window")]), dtype=dtype, device="cpu")
     return model, 3 if name.endswith("-window") else None
 

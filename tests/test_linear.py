@@ -33,7 +33,7 @@ def packed_linear(bias: bool, kind: str = "float32", in_features: int = IN, out_
     if bias:
         torch.nn.init.normal_(layer.bias)
     if kind.startswith("int8"):
-        quantize_int8(layer)
+        quantize_int8(layer, layer)
     else:
         assert use_cpu_kernels(layer)
     return layer

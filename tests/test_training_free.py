@@ -17,7 +17,7 @@ from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
 from specdec.drafters.lookahead import LookaheadConfig, LookaheadDrafter, add_to_pool
-from specdec.models.views import int8_copy, layer_subset
+from specdec.models.views import quantized_copy, layer_subset
 from specdec.tune import neighbours, structured_candidates
 from test_engine import MAX_NEW, PROMPTS
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
@@ -108,7 +108,7 @@ def test_quantized_draft_agrees_often_and_layer_subset_shares_weights(deep):
     assert out.stats.acceptance_rate > 0.8  # the same model in int8
     view = layer_subset(target, [1, 3])
     assert view.layers[0] is target.layers[1] and view.lm_head is target.lm_head
-    assert int8_copy(target).layers[0].self_attn.qkv_proj is not target.layers[0].self_attn.qkv_proj
+    assert quantized_copy(target).layers[0].self_attn.qkv_proj is not target.layers[0].self_attn.qkv_proj
 
 
 @pytest.fixture(scope="module")

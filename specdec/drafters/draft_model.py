@@ -26,7 +26,7 @@ from torch import Tensor
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
-from specdec.models.linear import Linear, use_cpu_kernels
+from specdec.models.linear import take_rows, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
 from specdec.models.views import follow_kernels
 from specdec.sampling import logits_to_probs, sample
@@ -176,8 +176,7 @@ def borrow_target_weights(draft: SharedDraftModel, target, d2t: Tensor | None, k
         draft.lm_head = target.lm_head
     else:
         draft.d2t = d2t.to(p.device)
-        draft.lm_head = Linear(draft.config.hidden_size, len(d2t), bias=False, device=p.device, dtype=p.dtype)
-        draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach()[draft.d2t].clone(), requires_grad=False)
+        draft.lm_head = take_rows(target.lm_head, draft.d2t, p.dtype, dequantize=not kernels)
         if kernels:
             use_cpu_kernels(draft.lm_head)
     return draft.eval()

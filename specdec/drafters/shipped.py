@@ -22,10 +22,11 @@ PROBE_DIMS = 4  # leading dimensions of each row
 
 def target_probe(target) -> dict:
     """What identifies the target: its shape and a handful of embedding values."""
-    weight = target.embed_tokens.weight
-    rows = [r for r in PROBE_ROWS if r < weight.shape[0]]
-    values = weight.detach()[rows, :PROBE_DIMS].float().cpu()
-    return {"vocab_size": int(weight.shape[0]), "hidden_size": int(weight.shape[1]),
+    embed = target.embed_tokens  # an nn.Embedding or a QuantizedEmbedding: looked up, never materialised
+    rows = [r for r in PROBE_ROWS if r < embed.num_embeddings]
+    with torch.no_grad():
+        values = embed(torch.tensor(rows, device=target.norm.weight.device))[:, :PROBE_DIMS].float().cpu()
+    return {"vocab_size": int(embed.num_embeddings), "hidden_size": int(embed.embedding_dim),
             "num_layers": int(target.config.num_layers), "rows": rows, "values": values.tolist()}
 
 

@@ -124,14 +124,14 @@ def use_kernels(model: nn.Module, choice: str = "auto") -> KernelPath:
 
 def pack_for_cpu(model: nn.Module, exact: bool) -> None:
     """Pack the CPU Linear layers for the C kernels (exact), or drop float packings (library: F.linear
-    runs; int8 layers, whose float weight is gone, keep theirs)."""
+    runs; quantized layers, int8 or GGUF blocks, whose float weight is gone, keep theirs)."""
     from specdec.models.linear import Linear, use_cpu_kernels
 
     if exact:
         use_cpu_kernels(model)
         return
     for module in model.modules():
-        if isinstance(module, Linear) and module.scales is None:
+        if isinstance(module, Linear) and not module.quantized:
             module.packed = module.packed_bias = None
 
 

@@ -22,20 +22,68 @@ class Linear(nn.Linear):
     packed: Tensor | None = None  # [ceil(out/16), in, 16] panels (float32, bfloat16, or int8 with scales), CPU only
     packed_bias: Tensor | None = None  # [ceil(out/16) * 16] float32, the bias as the kernel reads it
     scales: Tensor | None = None  # [ceil(out/16) * 16] per-output scales of int8 panels (quantize_int8)
+    qtype: str | None = None  # GGUF block format of uint8 panels ("Q4_0", "Q4_1", "Q8_0"; cpu_quant.py)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the panels are the only copy of the weight (int8 or GGUF blocks; `weight` is empty)."""
+        return self.scales is not None or self.qtype is not None
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if self.packed is None or torch.is_grad_enabled():
+        if self.packed is None or (torch.is_grad_enabled() and not self.quantized):
             return F.linear(x, self.weight, self.bias)
         if x.dtype in cpu_gemm.KERNEL_DTYPES:
-            return cpu_gemm.gemm(x, self.packed, self.packed_bias, self.out_features, self.scales)
-        # float16 activations into an int8 layer (a float16 CPU target's quantized drafter)
-        return cpu_gemm.gemm(x.float(), self.packed, self.packed_bias, self.out_features, self.scales).to(x.dtype)
+            return cpu_gemm.gemm(x, self.packed, self.packed_bias, self.out_features, self.scales, qtype=self.qtype)
+        # float16 activations into a quantized layer (a float16 CPU target's quantized drafter)
+        return cpu_gemm.gemm(x.float(), self.packed, self.packed_bias, self.out_features, self.scales, qtype=self.qtype).to(x.dtype)
 
 
-def quantize_int8(linear: Linear) -> None:
-    """Replace a CPU Linear's weight by int8 panels with per-output scales (weight-only quantisation).
-    The float weight is dropped."""
-    linear.packed, linear.scales = cpu_gemm.pack_int8(linear.weight)
+def float_weight(linear: Linear) -> Tensor:
+    """The layer's weight [out, in] as floats: `weight` itself, or dequantised from its panels (a new
+    tensor) where the panels are the only copy."""
+    if linear.qtype is not None:
+        from specdec.models import cpu_quant
+
+        return cpu_quant.dequantize(linear.packed, linear.qtype, linear.out_features, linear.in_features)
+    if linear.scales is not None:
+        return cpu_gemm.dequantize(linear.packed, linear.scales, linear.out_features)
+    return linear.weight
+
+
+def take_rows(linear: Linear, rows: Tensor, dtype: torch.dtype, dequantize: bool = False) -> Linear:
+    """A frozen, bias-free Linear of `linear`'s output rows `rows` [n] (an LM head's draft vocabulary): GGUF
+    block panels of the same blocks where `linear` has them (unless `dequantize`: training needs float
+    weights), else float rows in `dtype` (packed for the CPU kernels by `use_cpu_kernels`, as any float
+    layer)."""
+    out = Linear(linear.in_features, len(rows), bias=False, device="meta")
+    if linear.qtype is not None and not dequantize:
+        from specdec.models import cpu_quant
+
+        out.packed, out.qtype = cpu_quant.take_rows(linear.packed, linear.qtype, linear.out_features, rows), linear.qtype
+        out.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        return out
+    weight = float_weight(linear).detach()
+    out.weight = nn.Parameter(weight[rows.to(weight.device)].to(dtype).clone(), requires_grad=False)
+    return out
+
+
+def quantize_int8(linear: Linear, source: Linear) -> None:
+    """Give a CPU Linear int8 panels with per-output scales of `source`'s weight (weight-only
+    quantisation); it keeps no float weight."""
+    linear.packed, linear.scales = cpu_gemm.pack_int8(float_weight(source))
+    linear.packed_bias = cpu_gemm.pad_bias(linear.bias, linear.packed)
+    linear.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def quantize_blocks(linear: Linear, source: Linear, qtype: str) -> None:
+    """Give a CPU Linear GGUF block panels (qtype "Q4_0", "Q4_1" or "Q8_0", gguf's reference quantiser)
+    of `source`'s weight; it keeps no float weight."""
+    from gguf import GGMLQuantizationType, quants
+
+    from specdec.models import cpu_quant
+
+    raw = quants.quantize(float_weight(source).detach().float().numpy(), GGMLQuantizationType[qtype])  # [N, K/32 * bytes]
+    linear.packed, linear.qtype = cpu_quant.pack_blocks(torch.from_numpy(raw), qtype), qtype
     linear.packed_bias = cpu_gemm.pad_bias(linear.bias, linear.packed)
     linear.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -46,7 +94,7 @@ def use_cpu_kernels(model: nn.Module) -> bool:
     if not cpu_gemm.available():
         return False
     for module in model.modules():
-        if isinstance(module, Linear) and module.weight.device.type == "cpu" and module.scales is None:
+        if isinstance(module, Linear) and module.weight.device.type == "cpu" and not module.quantized:
             if module.weight.dtype not in cpu_gemm.KERNEL_DTYPES:
                 cpu_gemm.say_once(f"no CPU kernel for {module.weight.dtype} weights: PyTorch's matmul runs them; "
                                   "greedy speculative output may differ from plain decoding")

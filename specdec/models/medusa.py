@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specdec.errors import UserError
-from specdec.models.linear import Linear, use_cpu_kernels
+from specdec.models.linear import Linear, float_weight, take_rows, use_cpu_kernels
 
 REFERENCE_FILE = "medusa_lm_head.safetensors"
 LAYOUTS = ("medusa", "vllm")
@@ -92,7 +92,7 @@ class MedusaHeads(nn.Module):
             raise UserError("these Medusa heads were trained for another target (vocabulary or width differ)")
         p = next(target.parameters())
         self.to(device=p.device, dtype=p.dtype)
-        self.lm_head.weight = nn.Parameter(target.lm_head.weight.detach()[self.d2t].clone(), requires_grad=False)
+        self.lm_head = take_rows(target.lm_head, self.d2t, p.dtype, dequantize=not kernels)
         if kernels:
             use_cpu_kernels(self)
         return self
@@ -161,7 +161,7 @@ def export_medusa(heads: MedusaHeads, target, folder: str | Path, layout: str = 
     folder.mkdir(parents=True, exist_ok=True)
     c = heads.config
     K, L = c.num_heads, c.num_layers
-    lm_head = target.lm_head.weight.detach().half().cpu()  # [V, D]
+    lm_head = float_weight(target.lm_head).detach().half().cpu()  # [V, D]
     blocks = {name: v.detach().half().contiguous().cpu() for name, v in heads.state_dict().items()
               if name.startswith("medusa_head.")}
     if layout == "medusa":

@@ -3,9 +3,12 @@
 - `layer_subset(target, layers)`: the target's embeddings, the chosen decoder layers (by index, in
   order), its final norm and LM head: a self-speculative draft (layer skipping, Draft & Verify /
   SWIFT) that costs no extra weight memory. Its KV cache holds only the chosen layers.
-- `int8_copy(target)`: every linear layer of the target quantised to int8 with one scale per output
-  channel (weight-only), embeddings and norms shared: "the quantised target as its own draft". It
-  reads a quarter of the bytes through the CPU int8 kernel, and exists only there.
+- `quantized_copy(target, fmt)`: every linear layer of the target quantised (weight-only), embeddings
+  and norms shared: "the quantised target as its own draft". fmt "int8" has one scale per output
+  channel (a quarter of float32's bytes); "Q8_0", "Q4_1" and "Q4_0" are GGUF's block formats with one
+  scale per 32 weights (quantised by gguf's reference quantiser; about 1.06, 0.63 and 0.56 bytes per
+  weight). A quantised target (a native GGUF) is requantised from its dequantised weights. It runs on
+  the CPU kernels, and exists only there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import nn
 
 from specdec.errors import UserError
 from specdec.models import cpu_gemm
-from specdec.models.linear import Linear, quantize_int8
+from specdec.models.linear import Linear, quantize_blocks, quantize_int8
 from specdec.models.llama import DecoderLayer, LlamaModel
 
 
@@ -52,16 +55,24 @@ def layer_subset(target: LlamaModel, layers: list[int]) -> LlamaModel:
     return model.eval()
 
 
-def int8_copy(target: LlamaModel) -> LlamaModel:
+QUANT_FORMATS = ("int8", "Q8_0", "Q4_1", "Q4_0")
+
+
+def quantized_copy(target: LlamaModel, fmt: str = "int8") -> LlamaModel:
     if not isinstance(target, LlamaModel):
         raise UserError("the quantized drafter needs a native Llama-family target")
-    model = shell(target, target.config.num_layers)
-    model.load_state_dict(target.state_dict(), assign=True)  # shares every tensor with the target...
-    model.embed_tokens = target.embed_tokens
+    if fmt not in QUANT_FORMATS:
+        raise UserError(f"unknown quantized format {fmt!r}; choose {', '.join(QUANT_FORMATS)}")
     if next(target.parameters()).device.type != "cpu" or not cpu_gemm.available():
-        raise UserError("an int8 copy runs on specdec's CPU int8 kernel: it needs a CPU model and a C compiler")
-    for module in model.modules():
-        if isinstance(module, Linear):  # ...then each linear layer gets its own int8 weights
-            quantize_int8(module)
-    model.name = f"{getattr(target, 'name', 'target')}[int8]"
+        raise UserError("a quantized copy runs on specdec's CPU kernels: it needs a CPU model and a C compiler")
+    model = shell(target, target.config.num_layers)
+    model.embed_tokens, model.norm = target.embed_tokens, target.norm
+    for mine, theirs in zip(model.layers, target.layers):
+        mine.load_state_dict({k: v for k, v in theirs.state_dict().items() if "norm" in k}, assign=True, strict=False)
+    for name, module in model.named_modules():  # each linear layer gets its own quantised weights (and the bias)
+        if isinstance(module, Linear):
+            source = target.get_submodule(name)
+            module.bias = source.bias
+            quantize_int8(module, source) if fmt == "int8" else quantize_blocks(module, source, fmt)
+    model.name = f"{getattr(target, 'name', 'target')}[{fmt}]"
     return model.eval()

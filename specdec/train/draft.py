@@ -168,7 +168,7 @@ def evaluate(draft: SharedDraftModel, target, features: Features, examples: list
         loss, log_q, true = distill_loss(draft, batch)
         kl += loss.item() * len(true)
         for q, h in zip(log_q.exp().split(256), true.split(256)):
-            p = F.linear(h, target.lm_head.weight).float().softmax(-1)  # [m, V] the target's full distribution
+            p = target.lm_head(h).float().softmax(-1)  # [m, V] the target's full distribution
             agree += (d2t[q.argmax(-1)] == p.argmax(-1)).sum().item()
             accept += torch.minimum(p[:, d2t], q).sum().item()
         n += len(true)

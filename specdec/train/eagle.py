@@ -62,6 +62,7 @@ from tqdm import tqdm
 from specdec.batch import eos_ids
 from specdec.errors import UserError
 from specdec.models.eagle import EagleConfig, EagleHead, save_eagle_head
+from specdec.models.linear import float_weight
 from specdec.train.common import (
     CHECKPOINT,
     Checkpoint,
@@ -201,7 +202,7 @@ def evaluate(head: EagleHead, target, features: Features, examples: list[int], b
              token_weight: float = 0.1) -> HeldOut:
     """Top-1 agreement, coverage and loss of `head` on `examples` of `features` (no noise)."""
     device = head.fc.weight.device
-    lm_head = target.lm_head.weight.detach()  # [V, D]
+    lm_head = float_weight(target.lm_head).detach()  # [V, D]
     in_vocab = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=device)
     in_vocab[head.d2t] = True
     agree = covered = positions = 0
@@ -302,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_paths(args)
     started = time.perf_counter()
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
     features = training_features(args, target)
     collected = time.perf_counter()
     result = train_eagle(target, features, config, out, resume=args.resume)
