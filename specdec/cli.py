@@ -21,6 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default="auto", choices=("auto", "exact", "library"),
                    help="exact: block- and batch-invariant kernels (greedy speculation equals plain decoding bit for "
                         "bit); library: cuBLAS/MKL + SDPA; auto (default): exact where available")
+    p.add_argument("--gguf", default="auto", choices=("auto", "native", "dequantize"),
+                   help="a GGUF model (the default one included): native runs its Q4_0/Q4_1/Q8_0 tensors as they are "
+                        "through specdec's CPU kernels (activations float32); dequantize turns them into --dtype floats; "
+                        "auto (default): native on the CPU")
 
 
 DRAFTER_HELP = ("none, ngram, draft_model, eagle, medusa (trained; shipped for the default model), "
@@ -45,6 +49,8 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None, help="lookahead: Jacobi window W (default 4)")
     p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N of the pool (default 4)")
     p.add_argument("--guesses", type=int, default=None, help="lookahead: pool continuations verified per step G (default 3)")
+    p.add_argument("--quant-format", default=None, choices=("int8", "Q8_0", "Q4_1", "Q4_0"),
+                   help="quantized: the draft's weight format (default int8 for a float target, Q4_0 for a Q8_0 one)")
 
 
 def gamma_arg(text: str) -> int | str:
@@ -336,7 +342,7 @@ def drafter_extra(args: argparse.Namespace) -> dict:
         layers = read_layer_skip_config(args.layer_skip_config)
     extra = {"eagle_path": args.eagle_head, "medusa_path": args.medusa_heads, "layers": layers,
              "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
-             "total_tokens": args.tree_nodes}
+             "total_tokens": args.tree_nodes, "quant_format": args.quant_format}
     for name in ("window", "ngram", "guesses", "total_tokens"):
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{name} must be >= 1, got {extra[name]}")
@@ -376,7 +382,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
     check_drafter_args(args)
     extra = drafter_extra(args)
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -460,7 +466,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
         repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
-        dtype=args.dtype, device=args.device, kernels=args.kernels, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
     )
     results = run_bench(config, progress=not args.json)
@@ -483,14 +489,14 @@ def run_demo(args: argparse.Namespace) -> int:
     drafter = "eagle" if args.model == "default" and (SHIPPED / "eagle").is_dir() else "ngram"
     print(f"GSM8K question: {task.prompt}\n", flush=True)
     code = main(["generate", task.prompt, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
-                 "--kernels", args.kernels, "--drafter", drafter, "--gamma", "3",
+                 "--kernels", args.kernels, "--gguf", args.gguf, "--drafter", drafter, "--gamma", "3",
                  "--max-new-tokens", str(args.max_new_tokens), "--check-lossless"])
     if code:
         return code
     print(f"\nWhich drafter, if any? `specdec advise` on {args.limit} held-out GSM8K prompts, "
           f"{args.budget_s:.0f} s budget\n", flush=True)
     return main(["advise", "--task", "gsm8k-eval", "--limit", str(args.limit), "--model", args.model, "--dtype", args.dtype,
-                 "--kernels", args.kernels, "--device", args.device, "--concurrency", "1,8",
+                 "--kernels", args.kernels, "--gguf", args.gguf, "--device", args.device, "--concurrency", "1,8",
                  "--budget-s", str(args.budget_s), "--max-new-tokens", str(args.max_new_tokens), "--out", args.out])
 
 

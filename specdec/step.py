@@ -22,6 +22,7 @@ step without stalling the device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections import deque
@@ -35,12 +36,24 @@ from specdec.batch import FINISH_CODES, Request, Row, RowBatch, append, budgets,
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens
 from specdec.kv_cache import KVCache
-from specdec.models import fused
+from specdec.models import cpu_gemm, fused
 from specdec.sampling import logits_to_probs, sample, uniforms
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
 # What the host reads back per slot, after the D+1 emitted tokens.
 KEPT, ACCEPTED, DRAFTED, NODES, FINISH = range(5)
+
+
+def entry_point(method: Callable) -> Callable:
+    """A Stepper entry point: no autograd (grad mode is per thread, and on in the server's decode
+    thread), and PyTorch's own operations on one thread while the CPU kernels keep theirs
+    (cpu_gemm.kernels_own_threads; it changes nothing on a GPU)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with torch.inference_mode(), cpu_gemm.kernels_own_threads():
+            return method(*args, **kwargs)
+
+    return run
 
 
 @dataclass
@@ -287,7 +300,7 @@ class Stepper:
         self.prefill_chunk(self.start_prefill(slots, requests, None))
         return [self.batch.rows[slot] for slot in slots]
 
-    @torch.inference_mode()
+    @entry_point
     def start_prefill(self, slots: list[int], requests: list[Request], chunk: int | None) -> Prefill:
         """Occupy `slots` with `requests`, kept out of steps (inactive) until their prompts are read by
         `prefill_chunk`: the slots are taken, and steps meanwhile leave them alone."""
@@ -301,7 +314,7 @@ class Stepper:
         lengths = [len(requests[i].prompt) for i in order]
         return Prefill([rows[i] for i in order], index, lengths, chunk, self.target.new_cache(len(rows), lengths[0]))
 
-    @torch.inference_mode()
+    @entry_point
     def prefill_chunk(self, prefill: Prefill) -> list[Row]:
         """Read the next positions of the prompts still being read, in one forward of at most prefill.chunk
         tokens (rows x positions). The rows whose prompt this chunk ends join the batch (see join_read) and
@@ -352,7 +365,7 @@ class Stepper:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @entry_point
     def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
         with an observer, or when asked)."""

@@ -141,7 +141,7 @@ def run_tune(args) -> int:
 
     if args.limit < 1 or args.max_new_tokens < 1 or args.max_gamma < 1:
         raise UserError("--limit, --max-new-tokens and --max-gamma must be >= 1")
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer: tuning needs one to encode its prompts")
     t = time.perf_counter()

@@ -20,7 +20,7 @@ def run_advise(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
 
     config = AdviseConfig(
-        task=args.task, limit=args.limit, model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
+        task=args.task, limit=args.limit, model=args.model, device=args.device, dtype=args.dtype, kernels=args.kernels, gguf=args.gguf,
         drafters=args.drafters, peers=tuple(args.peers), concurrency=tuple(args.concurrency), budget_s=args.budget_s,
         max_new_tokens=args.max_new_tokens, threshold_ms=args.threshold_ms, chat=not args.raw,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),

@@ -67,6 +67,7 @@ class AdviseConfig:
     device: str = "auto"
     dtype: str = "auto"
     kernels: str = "auto"
+    gguf: str = "auto"
     drafters: tuple[str, ...] | None = None  # default: every drafter that can run for this target
     peers: tuple[str, ...] = ()  # hf / llamacpp alongside, on the same budget
     concurrency: tuple[int, ...] = (1, 8, 32)
@@ -321,7 +322,7 @@ def measure(config: AdviseConfig, progress: bool = True) -> Measurements:
     tasks = load_tasks(config.task, config.limit)
     bench = BenchConfig(task=config.task, limit=config.limit, model=config.model, drafters=(), peers=config.peers,
                         max_new_tokens=config.max_new_tokens, sampling=config.sampling, dtype=config.dtype,
-                        device=config.device, kernels=config.kernels, chat=config.chat)
+                        device=config.device, kernels=config.kernels, gguf=config.gguf, chat=config.chat)
     peers = [Method(p, p) for p in config.peers if p in ("hf", "llamacpp")]
     runner = Runner(bench, peers)
     if config.budget_s is None:

@@ -41,7 +41,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
     require_matplotlib()
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: analyze needs one to encode prompts and name tokens")
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,

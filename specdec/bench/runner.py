@@ -40,7 +40,7 @@ from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.models import cpu_gemm
 from specdec.models.kernels import kernel_path
-from specdec.models.loading import DEFAULT_MODEL, default_gguf_path
+from specdec.models.loading import DEFAULT_MODEL, hf_folder, resolve_gguf
 from specdec.metrics import mean_accepted_length
 
 PLAIN = "specdec/none"
@@ -62,6 +62,7 @@ class BenchConfig:
     drafter_extra: dict = field(default_factory=dict)  # DrafterOptions.extra: eagle_path, medusa_path, layers, window...
     dtype: str = "auto"
     kernels: str = "auto"  # exact | library | auto (see specdec/models/kernels.py)
+    gguf: str = "auto"  # native | dequantize | auto: how a GGUF target runs (see specdec/models/loading.py)
     device: str = "auto"
     chat: bool = True
     ngram_max: int = 3
@@ -131,6 +132,9 @@ def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method
         if peer.startswith("llamacpp") and not have_llama_cpp:
             notes.append(f"{peer}: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python`)")
             continue
+        if peer.startswith("llamacpp") and resolve_gguf(config.model) is None:
+            notes.append(f"{peer}: skipped (llama.cpp runs GGUF files; the target {config.model} is not one)")
+            continue
         if peer in ("hf", "llamacpp"):
             methods.append(Method(peer, peer))
         else:
@@ -144,7 +148,7 @@ class Runner:
 
     def __init__(self, config: BenchConfig, methods: list[Method]) -> None:
         self.config = config
-        self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels)
+        self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels, gguf=config.gguf)
         if self.target.tokenizer is None:
             raise UserError(f"{config.model} has no tokenizer: bench needs one to encode its prompts")
         p = next(self.target.parameters())
@@ -161,10 +165,10 @@ class Runner:
                 self.add(m)
         self.hf = None
         if any(m.family.startswith("hf") for m in methods):
-            self.hf = HFPeer(self.target.name, self.dtype, self.device, self.draft.name if self.draft is not None else None)
+            self.hf = HFPeer(hf_folder(self.target), self.dtype, self.device, hf_folder(self.draft) if self.draft is not None else None)
         self.llama = None
         if any(m.family.startswith("llamacpp") for m in methods):
-            self.llama = LlamaCppPeer(gguf_of(config.model), torch.get_num_threads(), context=4096)
+            self.llama = LlamaCppPeer(resolve_gguf(config.model), torch.get_num_threads(), context=4096)
 
     def add(self, method: Method) -> SpecEngine:
         """The engine of a specdec method: one per drafter, which its gammas share (and its graphs)."""
@@ -212,17 +216,6 @@ def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Metho
             engines[name] = engines[m.name]
             kept.append(Method(name, m.family, m.drafter, depth, m.policy))
     return kept, notes
-
-
-def gguf_of(model: str):
-    from pathlib import Path
-
-    if model == DEFAULT_MODEL:
-        return default_gguf_path()
-    path = Path(model)
-    if path.suffix == ".gguf":
-        return path
-    raise UserError("the llamacpp peers need a GGUF target (the default model or a .gguf file)")
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:

@@ -27,6 +27,7 @@ from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
 from specdec.models import fused
+from specdec.models.cpu_quant import block_format
 from specdec.models.eagle import EagleHead, load_eagle_head
 from specdec.sampling import topk_wide
 from specdec.verify import TreeSpec
@@ -38,6 +39,13 @@ from specdec.verify import TreeSpec
 # 10 prompts x 256: 10 nodes 1.52x (tau 3.46), 24 1.55x (3.85), 32 1.63x (3.92), 48 1.61x (3.94).
 # 24 and 32 are within the runs' noise of each other; the smaller tree costs less under batching.
 GPU_TOTAL_TOKENS = 24
+# A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
+# verified node costs about a third of a decode step: a chain (one node expanded per level, its best
+# child) pays there, a tree does not. Native Q4_1 default model, 2-core CPU, 4 gsm8k-eval prompts x 128
+# tokens, x plain: chain depth 2 1.20, depth 3 1.17, depth 4 1.10; 3-node tree of branch 2 1.16;
+# frontier 2, branch 2, 4 nodes 1.10; the float default's tree (frontier 4, branch 4) with 6 nodes 0.88
+# (3 prompts).
+QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1}
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,7 @@ class EagleDrafter:
     def attach(self, batch) -> None:
         B, D = batch.capacity, self.head.config.hidden_size
         cache = self.head.new_cache(B, batch.max_len + self.tree.depth * self.tree.frontier, static=batch.static)
-        root = torch.zeros(B, D, dtype=self.head.fc.weight.dtype, device=batch.device)
+        root = torch.zeros(B, D, dtype=self.head.layers[0].post_attention_layernorm.weight.dtype, device=batch.device)
         batch.draft = EagleState(cache, root)
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
@@ -238,5 +246,6 @@ def build(target, options: DrafterOptions) -> EagleDrafter:
         head = load_eagle_head(trained_folder("eagle", target, options.extra.get("eagle_path"), "--eagle-head"))
     given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
     device = next(target.parameters()).device
-    tree = EagleTreeConfig(**({"total_tokens": GPU_TOTAL_TOKENS} if device.type == "cuda" else {}) | given)
+    defaults = {"total_tokens": GPU_TOTAL_TOKENS} if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
+    tree = EagleTreeConfig(**defaults | given)
     return EagleDrafter(target, head, tree)

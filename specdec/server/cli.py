@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
     from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
 
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
     if not isinstance(target, LlamaModel):
         raise UserError(f"{args.model}: the server batches the native Llama-family implementation only")
     if target.tokenizer is None:
@@ -141,7 +141,7 @@ def drafter_argv(args: argparse.Namespace) -> list[str]:
     """The drafter options given to bench-serve, as `specdec serve` arguments."""
     argv = ["--drafter", args.drafter]
     for name in ("draft_model", "eagle_head", "medusa_heads", "tree_nodes", "ngram_max", "ngram_min", "layers",
-                 "layer_skip_config", "window", "lookahead_ngram", "guesses"):
+                 "layer_skip_config", "window", "lookahead_ngram", "guesses", "quant_format"):
         value = getattr(args, name)
         if value is not None:
             value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
@@ -188,7 +188,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.url:
         health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan)
     else:
-        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels,
+        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels, "--gguf", args.gguf,
                        *drafter_argv(args), "--gamma", str(args.gamma), "--spec-policy", args.policies[0],
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
