@@ -432,6 +432,7 @@ def format_stats(report: dict) -> str:
         ("drafter / gamma", f"{report['drafter']} / {report['gamma']}"),
         ("device / dtype", f"{report['device']} / {report['dtype']}"),
         ("kernels", f"{report['kernels']['name']} ({'' if report['kernels']['exact'] else 'not '}block/batch-invariant)"),
+        ("weights", report["kernels"]["weights"]),
         ("tokens emitted", s["emitted"]),
         ("target steps", s["steps"]),
         ("drafted / accepted", f"{s['drafted']} / {s['accepted']}"),

@@ -49,7 +49,7 @@ class GGUFTensor:
 
     def rows(self) -> Tensor:
         """A block tensor's raw rows, uint8 [N, bytes]."""
-        return torch.from_numpy(np.asarray(self.data))
+        return torch.from_numpy(np.array(self.data))  # a copy: the reader maps the file read-only
 
 
 @cache

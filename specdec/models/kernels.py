@@ -42,6 +42,7 @@ class KernelPath:
     name: str  # "triton-exact" | "cpu-exact" | "cublas" | "mkl" | "transformers"
     exact: bool  # per-token outputs bitwise invariant to block and batch size
     detail: str
+    weights: str = ""  # the linear layers' weight formats, e.g. "Q4_1 x 120, Q8_0 x 1" or "float32 x 121"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,8 +141,24 @@ def say_once(message: str) -> None:
     print(f"specdec: {message}", file=sys.stderr)
 
 
+def weight_formats(model: nn.Module) -> str:
+    """How many linear layers hold each weight format (GGUF blocks, int8 or a float dtype)."""
+    from collections import Counter
+
+    from specdec.models.linear import Linear
+
+    formats = Counter(m.qtype or ("int8" if m.scales is not None else str(m.weight.dtype).removeprefix("torch."))
+                      for m in model.modules() if isinstance(m, Linear))
+    return ", ".join(f"{name} x {n}" for name, n in formats.most_common())
+
+
 def kernel_path(model: nn.Module) -> KernelPath:
-    """The kernels `model`'s forwards over a KV cache run through."""
+    """The kernels `model`'s forwards over a KV cache run through, and its weight formats."""
+    path = kernel_route(model)
+    return KernelPath(path.name, path.exact, path.detail, weight_formats(model))
+
+
+def kernel_route(model: nn.Module) -> KernelPath:
     layers = decoder_layers(model)
     p = next(model.parameters())
     if not layers:

@@ -81,6 +81,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = resolve_gguf(name)
+    if path is None and gguf == "native":
+        raise UserError(f"gguf='native' runs GGUF files; {name} is not one")
     if path is not None and runs_native(gguf, dev, backend, kernels):
         return load_gguf(path, dt, kernels)
     folder = gguf_folder(path, weights=True) if path is not None else resolve_folder(name)
