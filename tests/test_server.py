@@ -18,11 +18,12 @@ import pytest
 
 from conftest import DEVICE, tiny_folder_with_tokenizer, tiny_pair
 from specdec import SpecConfig, SpecEngine
+from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, create_app
 from specdec.server.metrics import parse_metrics
 from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
-from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
+from specdec.server.scheduler import Codec, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
 KEY = "test-key"
@@ -177,6 +178,31 @@ def test_stop_strings_cut_the_text_streamed_or_not(server):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == full[: full.find(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_events_hand_each_token_once_in_order(model):
+    """Every event's token_ids are its own new tokens, fixed once handed over: the first event once held
+    the row's live list, which kept growing as the request generated."""
+    scheduler = make_scheduler(model)
+    events: list[Event] = []
+    finished = threading.Event()
+
+    def emit(event: Event) -> None:
+        events.append(event)
+        if event.final:
+            finished.set()
+
+    ids = model.tokenizer(PROMPTS[1])["input_ids"]
+    scheduler.start()
+    try:
+        scheduler.submit(GenerationRequest(ids, 20, SamplingParams(temperature=0.0), (), emit))
+        assert finished.wait(60)
+    finally:
+        scheduler.stop()
+    expected = SpecEngine(model, "none").generate([ids], SpecConfig(max_new_tokens=20)).rows[0].token_ids
+    assert len(events) > 2 and len(events[0].token_ids) == 1  # the prefill's token alone
+    assert [t for event in events for t in event.token_ids] == expected
+    assert "".join(event.text for event in events) == model.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_a_request_done_at_its_first_token_takes_no_step(server):

@@ -320,7 +320,7 @@ class Scheduler:
             request = self.joining.pop(row.slot)
             serving = self.running[row.slot] = Serving(request, row, Acceptance.empty(self.policy.gamma), last_emit=now)
             self.metrics.count_prompt(len(request.prompt_ids))
-            self.emit(serving, row.generated)
+            self.emit(serving, list(row.generated))  # a copy: the row's own list grows with every step
         self.remove_finished()
 
     def fail_joining(self, message: str) -> None:
