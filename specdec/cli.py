@@ -163,7 +163,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--confidence-threshold", type=float, default=0.4, help="for the confidence policy")
     b.add_argument("--max-new-tokens", type=int, default=256)
     add_sampling_args(b)
-    b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld (empty for none)")
+    b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-draft (empty for none)")
+    b.add_argument("--draft-gguf", default=None, help="llamacpp-draft: the draft model as a GGUF file (benchmarks/draft_gguf.py writes one)")
     b.add_argument("--repeats", type=int, default=1, help="times each method runs each prompt (median taken)")
     b.add_argument("--raw", action="store_true", help="do not apply the chat template")
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
@@ -464,7 +465,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
     config = BenchConfig(
         task=args.task, limit=args.limit, model=args.model, drafters=args.drafters, gammas=args.gammas,
-        peers=args.peers, pld_gammas=args.pld_gammas, max_new_tokens=args.max_new_tokens,
+        peers=args.peers, pld_gammas=args.pld_gammas, draft_gguf=args.draft_gguf, max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
         repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
         dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,

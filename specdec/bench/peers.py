@@ -4,9 +4,12 @@
 - `hf-pld`: transformers prompt lookup decoding (`prompt_lookup_num_tokens` = gamma);
 - `hf-assisted`: transformers assisted generation with the draft model (`num_assistant_tokens` = gamma,
   constant schedule, so each gamma is what it says);
-- `llamacpp` / `llamacpp-pld`: llama.cpp through llama-cpp-python, when installed and the target is a
-  GGUF file. llama.cpp runs the quantised GGUF weights themselves, so its outputs are not expected to
-  equal the float32 target's; it is a speed reference only.
+- `llamacpp` / `llamacpp-pld` / `llamacpp-draft`: llama.cpp through llama-cpp-python, when installed and
+  the target is a GGUF file: plain, prompt lookup, and draft-model speculation with a draft GGUF
+  (`--draft-gguf`; benchmarks/draft_gguf.py writes specdec's draft as one). llama.cpp quantises
+  activations to 8 bits in its CPU products where specdec keeps float32, so its outputs need not equal
+  specdec's even on the same quantised file (benchmarks/llamacpp_agreement.py measures how often they
+  agree); it is a speed reference.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.errors import UserError
 
-PEERS = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld")
+PEERS = ("hf", "hf-pld", "hf-assisted", "llamacpp", "llamacpp-pld", "llamacpp-draft")
 
 
 @dataclass
@@ -92,28 +95,57 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-class LlamaCppPeer:
-    """llama.cpp (llama-cpp-python) on the target's GGUF file."""
+def llama_cpp_draft_model(path: Path, gamma: int, threads: int, context: int):
+    """A llama-cpp-python draft model (its speculative loop's interface) that runs a draft GGUF in llama.cpp
+    and proposes its `gamma` greedy tokens; it keeps its own cache across calls, re-reading only what
+    differs from what it read last."""
+    import numpy as np
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaDraftModel
 
-    def __init__(self, gguf: Path, threads: int, context: int) -> None:
+    class DraftGGUF(LlamaDraftModel):
+        def __init__(self) -> None:
+            self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=threads, verbose=False)
+
+        def __call__(self, input_ids, /, **kwargs):
+            llm, ids = self.llm, [int(t) for t in input_ids]
+            known = llm.input_ids[: llm.n_tokens].tolist()
+            same = next((i for i, (a, b) in enumerate(zip(known, ids)) if a != b), min(len(known), len(ids)))
+            llm.n_tokens = min(same, len(ids) - 1)  # eval drops the cache past n_tokens; read at least one token
+            llm.eval(ids[llm.n_tokens:])
+            drafted = []
+            for i in range(gamma):
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+                drafted.append(int(logits.argmax()))
+                if i + 1 < gamma:
+                    llm.eval(drafted[-1:])
+            return np.array(drafted, dtype=np.intc)
+
+    return DraftGGUF()
+
+
+class LlamaCppPeer:
+    """llama.cpp (llama-cpp-python) on the target's GGUF file; `draft`: a draft GGUF for llamacpp-draft."""
+
+    def __init__(self, gguf: Path, threads: int, context: int, draft: Path | None = None) -> None:
         from llama_cpp import Llama
 
-        self.gguf, self.threads, self.context = gguf, threads, context
+        self.gguf, self.threads, self.context, self.draft = gguf, threads, context, draft
         self.plain = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, verbose=False)
-        self.lookup: dict[int, object] = {}
+        self.speculative: dict[tuple[str, int], object] = {}
 
     def model_for(self, mode: str, gamma: int):
         if mode == "llamacpp":
             return self.plain
-        if gamma not in self.lookup:
+        if (mode, gamma) not in self.speculative:
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            self.lookup[gamma] = Llama(
-                model_path=str(self.gguf), n_ctx=self.context, n_threads=self.threads, verbose=False,
-                draft_model=LlamaPromptLookupDecoding(num_pred_tokens=gamma),
-            )
-        return self.lookup[gamma]
+            drafter = (LlamaPromptLookupDecoding(num_pred_tokens=gamma) if mode == "llamacpp-pld"
+                       else llama_cpp_draft_model(self.draft, gamma, self.threads, self.context))
+            self.speculative[mode, gamma] = Llama(model_path=str(self.gguf), n_ctx=self.context, n_threads=self.threads,
+                                                  verbose=False, draft_model=drafter)
+        return self.speculative[mode, gamma]
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, mode: str, gamma: int = 0) -> PeerOutput:
         llm = self.model_for(mode, gamma)

@@ -15,6 +15,7 @@ import platform
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -55,6 +56,7 @@ class BenchConfig:
     gammas: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
     peers: tuple[str, ...] = ("hf", "hf-pld")
     pld_gammas: tuple[int, ...] | None = None  # prompt-lookup sizes for hf-pld / llamacpp-pld (default: gammas)
+    draft_gguf: str | None = None  # a draft GGUF for the llamacpp-draft peer
     max_new_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     repeats: int = 1
@@ -87,6 +89,8 @@ class BenchConfig:
         bad_peers = [p for p in self.peers if p not in PEERS]
         if bad_peers:
             raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)}")
+        if "llamacpp-draft" in self.peers and (self.draft_gguf is None or not Path(self.draft_gguf).is_file()):
+            raise UserError("the llamacpp-draft peer needs --draft-gguf FILE (benchmarks/draft_gguf.py writes specdec's draft as one)")
         if "hf-assisted" in self.peers and self.draft_model is None:
             raise UserError("the hf-assisted peer needs --draft-model")
         if "hf-assisted" in self.peers and self.draft_model is not None and is_shared_draft(self.draft_model):
@@ -168,14 +172,25 @@ class Runner:
             self.hf = HFPeer(hf_folder(self.target), self.dtype, self.device, hf_folder(self.draft) if self.draft is not None else None)
         self.llama = None
         if any(m.family.startswith("llamacpp") for m in methods):
-            self.llama = LlamaCppPeer(resolve_gguf(config.model), torch.get_num_threads(), context=4096)
+            self.llama = LlamaCppPeer(resolve_gguf(config.model), torch.get_num_threads(), context=4096,
+                                      draft=Path(config.draft_gguf) if config.draft_gguf else None)
 
     def add(self, method: Method) -> SpecEngine:
-        """The engine of a specdec method: one per drafter, which its gammas share (and its graphs)."""
-        if method.drafter not in self.by_drafter:
-            self.by_drafter[method.drafter] = SpecEngine(self.target, method.drafter, self.options)
-        self.engines[method.name] = self.by_drafter[method.drafter]
-        return self.engines[method.name]
+        """The engine of a specdec method: one per drafter, which its gammas share (and its graphs); one per
+        method for a drafter that learns across requests (suffix), or a gamma would draft from the text
+        another gamma just produced for the same prompt."""
+        engine = self.by_drafter.get(method.drafter)
+        if engine is None or learns_across_requests(engine):
+            engine = SpecEngine(self.target, method.drafter, self.options)
+            self.by_drafter.setdefault(method.drafter, engine)
+        self.engines[method.name] = engine
+        return engine
+
+    def forget_requests(self) -> None:
+        """Cold-start the drafters that learn across requests (after the warm-up, which ran prompt 0)."""
+        for engine in self.engines.values():
+            if learns_across_requests(engine):
+                engine.drafter.forget()
 
     def encode(self, task: Task) -> list[int]:
         return encode_prompt(self.target.tokenizer, task.prompt, chat=self.config.chat)
@@ -218,6 +233,10 @@ def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Metho
     return kept, notes
 
 
+def learns_across_requests(engine: SpecEngine) -> bool:
+    return getattr(engine.drafter, "learns_across_requests", False)
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     """Run every method on every prompt, interleaved; return the results document (results.json)."""
     tasks = load_tasks(config.task, config.limit)
@@ -229,6 +248,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
 
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
         runner.run(method, prompts[0], min(16, config.max_new_tokens))
+    runner.forget_requests()  # a suffix drafter then learns only from the prompts before each one, as a server would
 
     records: list[RunRecord] = []
     total = config.repeats * len(tasks) * len(methods)

@@ -323,6 +323,7 @@ class Held:
 class SuffixDrafter:
     name = "suffix"
     graphable = False
+    learns_across_requests = True  # benches give each method its own instance and a cold start (see `forget`)
 
     def __init__(self, config: SuffixConfig) -> None:
         self.config = config
@@ -343,6 +344,11 @@ class SuffixDrafter:
             text = row_tokens(batch, slot)
             batch.draft[slot] = RowState(text, build_automaton(text))
             self.held.append(Held(batch.draft, slot, batch.draft[slot]))
+
+    def forget(self) -> None:
+        """Drop every earlier request from the global index (rows in slots keep their own state)."""
+        self.index = GlobalIndex(self.config.max_tokens)
+        self.held = [h for h in self.held if not h.released]
 
     def retire_released(self) -> None:
         """Add the rows that have left their slots to the global index, in the order they joined."""
