@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -58,3 +60,21 @@ def test_peer_applies_the_top_k_asked_for(peer):
 def test_peer_generates_with_top_k_off(peer):
     out = peer.generate([3, 1, 4, 1, 5], 6, SamplingParams(temperature=0.8, seed=0), "hf")
     assert 1 <= len(out.token_ids) <= 6 and all(0 <= t < TINY["vocab_size"] for t in out.token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is an optional extra")
+def test_llamacpp_draft_peer_speculates_with_a_draft_gguf(tmp_path):
+    """The target as its own draft GGUF: llama.cpp's speculative loop runs and starts with its plain greedy
+    tokens. (Not all of them: llama.cpp's verify blocks are not batch-invariant, and on this prompt its
+    speculative greedy output left its plain output at token 17.)"""
+    from specdec.bench.peers import LlamaCppPeer
+    from specdec.config import SamplingParams
+    from specdec.models.loading import default_gguf_path
+
+    peer = LlamaCppPeer(default_gguf_path(), threads=2, context=512, draft=default_gguf_path())
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 28, 2]
+    plain = peer.generate(prompt, 24, SamplingParams(), "llamacpp")
+    drafted = peer.generate(prompt, 24, SamplingParams(), "llamacpp-draft", gamma=3)
+    assert len(drafted.token_ids) == len(plain.token_ids) == 24
+    assert drafted.token_ids[:8] == plain.token_ids[:8]
