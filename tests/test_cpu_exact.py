@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY, build_hf, save_hf, two_branch_tree
-from specdec.models import cpu_attention, cpu_gemm, cpu_layer, load_model
+from specdec.models import cpu_attention, cpu_gemm, cpu_layer, cpu_quant, load_model
 from specdec.models.linear import Linear, use_cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler: the CPU kernels could not be built")
@@ -288,6 +288,16 @@ def test_the_portable_build_is_exact_too(fresh_build):
             ref_w = w if scales is None else cpu_gemm.dequantize(packed, scales, 40)
             ref = F.linear(x.float(), ref_w.float(), bias[:40]).to(dtype)
             torch.testing.assert_close(block.float(), ref.float(), atol=2e-2, rtol=1e-2)
+        for qtype in ("Q4_0", "Q4_1", "Q8_0"):  # GGUF blocks: the float32 kernel's bits on gguf's dequantised weight
+            from gguf import GGMLQuantizationType, quants
+
+            raw = quants.quantize(randn(40, 96, dtype=torch.float32, seed=15).numpy(), GGMLQuantizationType[qtype])
+            blocks = cpu_quant.pack_blocks(torch.from_numpy(raw), qtype)
+            w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]))
+            assert torch.equal(cpu_quant.dequantize(blocks, qtype, 40, 96), w)
+            xq = randn(9, 96, dtype=dtype, seed=16)
+            for M in (1, 3, 9):
+                assert torch.equal(cpu_gemm.gemm(xq[:M], blocks, None, 40, qtype=qtype), cpu_gemm.gemm(xq[:M], cpu_gemm.pack(w), None, 40))
         q = randn(2, 4, 11, 20, dtype=dtype, seed=11)  # [B, H, T, Dh]
         k, v = randn(2, 2, 24, 20, dtype=dtype, seed=12), randn(2, 2, 24, 20, dtype=dtype, seed=13)  # [B, Hkv, S, Dh]
         mask = tree_mask(2, 13, 11, seed=14)
