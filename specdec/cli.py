@@ -181,10 +181,17 @@ TRAINERS = {
 def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
     add_model_args(p)
     p.add_argument("--data", default="text", choices=["text", "self"],
-                   help="text: teacher-forced gsm8k-train solutions; self: the target's own continuations")
+                   help="text: the prompts' answers, teacher-forced (gsm8k-train's solutions); self: the target's own "
+                        "greedy continuations of the prompts, generated in batches (train on your own traffic)")
+    p.add_argument("--prompts", default=None, metavar="FILE[:WEIGHT],...",
+                   help="prompt files in any format `bench --task` reads (.jsonl with question or turns, and answer "
+                        "for --data text; .txt one prompt per line; or a built-in set), comma-separated, each "
+                        "optionally weighted: its share of the collected tokens (e.g. chat.jsonl:2,qa.txt:1); "
+                        "default gsm8k-train")
     p.add_argument("--features", default=None, help="a features file from an earlier run (skips collecting)")
-    p.add_argument("--limit", type=int, default=None, help="gsm8k-train problems to read (default: as many as --max-tokens needs)")
+    p.add_argument("--limit", type=int, default=None, help="prompts read from each file (default: as many as --max-tokens needs)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to collect (prompt + response)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--data self: the longest continuation generated per prompt")
     p.add_argument("--steps", type=int, default=2000, help="optimiser steps")
     p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimiser step")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the trainer's)")

@@ -1,8 +1,13 @@
 """Helpers every drafter trainer shares: data, batches, vocabulary, schedule and checkpoints.
 
+- `training_data`: --data and --prompts read and checked before the target loads (bad input is one
+  UserError line), with the recipe of the data to collect: source, each prompt file's name, size,
+  SHA-256 and weight, --limit, --max-tokens, --max-new-tokens (self), --seed and --model.
 - `training_features`: the Features a run trains on: the first examples of --features up to
-  --max-tokens, or collected from --data (up to --max-tokens) and saved to
-  --out/features-<source>.safetensors for reuse (which --resume reads back).
+  --max-tokens, or collected from --data and --prompts (up to --max-tokens) and saved to
+  --out/features-<source>.safetensors with their recipe, which --resume reads back only when the
+  recipe's key is this run's (other prompts, weights or limits are refused, never silently reused).
+  Trainers put the features' key in their checkpoint's resume key too.
 - `split_held_out`: a seeded split of the examples into training and held-out ones.
 - `frequent_vocab`: the reduced draft vocabulary, the most frequent target tokens in the training
   responses, always including the EOS tokens; sorted target ids.
@@ -30,7 +35,8 @@ import torch
 from torch import Tensor
 
 from specdec.errors import UserError
-from specdec.train.data import Features, collect_features
+from specdec.train.data import Features, collect_features, recipe_key
+from specdec.train.prompts import DEFAULT_PROMPTS, PromptSet, check_answers, parse_prompt_spec, read_prompt_sets
 
 CHECKPOINT = "checkpoint.pt"
 SHUFFLE_WINDOW = 64  # examples sorted by length together (less padding, still random batches)
@@ -40,12 +46,40 @@ def features_path(out: Path, source: str) -> Path:
     return out / f"features-{source}.safetensors"
 
 
-def training_features(args: argparse.Namespace, target, progress: bool = True) -> Features:
-    """--resume: the features saved in --out; --features FILE: that file's first examples up to
-    --max-tokens tokens; else collected from --data (up to --max-tokens)."""
+@dataclass
+class TrainingData:
+    """The data a run would collect: its prompt files, read, and the recipe that identifies it."""
+    sets: list[PromptSet]
+    recipe: dict
+
+    @property
+    def key(self) -> str:
+        return recipe_key(self.recipe)
+
+
+def training_data(args: argparse.Namespace) -> TrainingData | None:
+    """--prompts (default gsm8k-train) read and checked, with --data text's need for answers; None with
+    --features (nothing is collected). Call it before loading the target: bad input fails in a moment."""
+    if args.features is not None:
+        if args.prompts is not None:
+            raise UserError("--features and --prompts: give one (--features trains on features collected before)")
+        return None
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sets = read_prompt_sets(parse_prompt_spec(args.prompts or DEFAULT_PROMPTS), args.limit)
+    if args.data == "text":
+        check_answers(sets)
+    recipe = {"source": args.data, "prompts": [s.describe() for s in sets], "limit": args.limit,
+              "max_tokens": args.max_tokens, "seed": args.seed, "model": args.model}
+    if args.data == "self":
+        recipe["max_new_tokens"] = args.max_new_tokens
+    return TrainingData(sets, recipe)
+
+
+def training_features(args: argparse.Namespace, target, data: TrainingData | None, progress: bool = True) -> Features:
+    """--features FILE: that file's first examples up to --max-tokens tokens; --resume: the features
+    saved in --out, when collected from `data`'s recipe; else collected from `data` and saved in --out."""
     out = Path(args.out)
-    if args.resume and features_path(out, args.data).exists():
-        return Features.load(features_path(out, args.data))
     if args.features is not None:
         if not Path(args.features).exists():
             raise UserError(f"--features {args.features}: no such file")
@@ -53,7 +87,16 @@ def training_features(args: argparse.Namespace, target, progress: bool = True) -
         if features.hidden[0].shape[-1] != target.config.hidden_size:
             raise UserError(f"{args.features}: features of width {features.hidden[0].shape[-1]}, the target's is {target.config.hidden_size}")
         return features
-    features = collect_features(target, args.data, limit=args.limit, max_tokens=args.max_tokens, progress=progress)
+    saved = features_path(out, args.data)
+    if args.resume and saved.exists():
+        features = Features.load(saved)
+        if features.key != data.key:
+            changed = sorted(k for k in set(data.recipe) | set(features.recipe) if data.recipe.get(k) != features.recipe.get(k))
+            raise UserError(f"--resume: {saved} was collected from other data ({', '.join(changed)}); "
+                            f"resume with the settings it was made with, or train into a new --out")
+        return features
+    features = collect_features(target, args.data, data.sets, max_tokens=args.max_tokens,
+                                max_new_tokens=args.max_new_tokens, seed=args.seed, recipe=data.recipe, progress=progress)
     out.mkdir(parents=True, exist_ok=True)
     features.save(features_path(out, features.source))
     return features
@@ -65,7 +108,7 @@ def first_tokens(features: Features, max_tokens: int | None) -> Features:
     n = len(features.tokens) if max_tokens is None else int((sizes <= max_tokens).sum())
     if n == 0:
         raise UserError(f"--max-tokens {max_tokens} holds no example (the first has {int(sizes[0])} tokens)")
-    return Features(features.tokens[:n], features.hidden[:n], features.response_start[:n], features.source)
+    return Features(features.tokens[:n], features.hidden[:n], features.response_start[:n], features.source, features.recipe)
 
 
 def split_held_out(num_examples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -62,6 +62,7 @@ from specdec.train.common import (
     plan_batches,
     save_checkpoint,
     split_held_out,
+    training_data,
     training_features,
 )
 from specdec.train.data import Features
@@ -242,10 +243,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    data = training_data(args)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     target = load_model(args.model, dtype="float32", device=args.device)  # the draft trains in float32
-    features = training_features(args, target)
+    features = training_features(args, target, data)
     train_ids, held_ids = split_held_out(len(features.tokens), HELD_OUT, args.seed)
     V = target.config.vocab_size
     d2t = frequent_vocab(features, train_ids, min(args.draft_vocab, V), V, eos_ids(target)) if args.draft_vocab < V else None
@@ -254,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(trainable_parameters(draft), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     meta = {"kind": "draft", "layers": args.layers, "intermediate_size": draft.config.intermediate_size,
             "draft_vocab": V if d2t is None else len(d2t), "seed": args.seed,
-            "batch_tokens": args.batch_tokens, "lr": lr, "data": features.source, "tokens": features.num_tokens}
+            "batch_tokens": args.batch_tokens, "lr": lr, "data": features.source, "tokens": features.num_tokens,
+            "data_key": features.key}
     if args.resume:
         checkpoint = load_checkpoint(out, meta)
         draft.load_state_dict(checkpoint.weights, strict=False)

@@ -76,6 +76,7 @@ from specdec.train.common import (
     plan_batches,
     save_checkpoint,
     split_held_out,
+    training_data,
     training_features,
 )
 from specdec.train.data import Features
@@ -106,7 +107,8 @@ class EagleTrainConfig:
     def resume_key(self, features: Features) -> dict:
         """What a resumed run must share with the run that wrote the checkpoint."""
         keep = {k: v for k, v in asdict(self).items() if k not in ("steps", "evaluations", "checkpoint_every")}
-        return {**keep, "examples": len(features.tokens), "data_tokens": features.num_tokens, "source": features.source}
+        return {**keep, "examples": len(features.tokens), "data_tokens": features.num_tokens, "source": features.source,
+                "data_key": features.key}
 
 
 @dataclass
@@ -302,9 +304,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out = Path(args.out)
     check_paths(args)
+    data = training_data(args)
     started = time.perf_counter()
     target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
-    features = training_features(args, target)
+    features = training_features(args, target, data)
     collected = time.perf_counter()
     result = train_eagle(target, features, config, out, resume=args.resume)
     trained = time.perf_counter()

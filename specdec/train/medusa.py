@@ -46,6 +46,7 @@ from specdec.train.common import (
     plan_batches,
     save_checkpoint,
     split_held_out,
+    training_data,
     training_features,
 )
 from specdec.train.data import Features
@@ -169,10 +170,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    data = training_data(args)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     target = load_model(args.model, dtype="float32", device=args.device)  # heads train in float32
-    features = training_features(args, target)
+    features = training_features(args, target, data)
     train_ids, held_ids = split_held_out(len(features.tokens), HELD_OUT, args.seed)
     c = target.config
     d2t = frequent_vocab(features, train_ids, min(args.draft_vocab, c.vocab_size), c.vocab_size, eos_ids(target))
@@ -183,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     trainable = [p for name, p in heads.named_parameters() if name.startswith("medusa_head.")]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     meta = {"kind": "medusa", "heads": args.heads, "draft_vocab": len(d2t), "seed": args.seed,
-            "batch_tokens": args.batch_tokens, "lr": lr, "data": features.source, "tokens": features.num_tokens}
+            "batch_tokens": args.batch_tokens, "lr": lr, "data": features.source, "tokens": features.num_tokens,
+            "data_key": features.key}
     if args.resume:
         checkpoint = load_checkpoint(out, meta)
         heads.load_state_dict(checkpoint.weights, strict=False)
