@@ -122,7 +122,7 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
     the time the steps took. The stepper is left empty for the next call."""
     batch = stepper.batch
     batch.confidence = config.confidence_threshold if config.gamma_policy == "confidence" else None
-    in_flight = 1 if stepper.graphs and observer is None else 0  # steps launched before reading one
+    in_flight = 1 if stepper.pipelined and observer is None else 0  # steps launched before reading one
     gammas: list[int] | None = None
     stepper.reset()
     try:

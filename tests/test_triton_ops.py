@@ -552,6 +552,6 @@ def test_library_and_unknown_kernels_on_cpu(tmp_path):
     model = load_model(str(folder), dtype="float32", device="cpu", kernels="library")
     assert kernel_path(model).name == "mkl" and not kernel_path(model).exact
     assert model.layers[0].self_attn.o_proj.packed is None
-    assert set(kernel_path(model).to_dict()) == {"name", "exact", "detail"}
+    assert set(kernel_path(model).to_dict()) == {"name", "exact", "detail", "weights"}
     with pytest.raises(UserError, match="unknown kernels"):
         load_model(str(folder), dtype="float32", device="cpu", kernels="fast")
