@@ -20,7 +20,7 @@ from conftest import DEVICE, tiny_folder_with_tokenizer, tiny_pair
 from specdec import SpecConfig, SpecEngine
 from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
-from specdec.server.app import AppSettings, create_app
+from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
 from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Event, GenerationRequest, Scheduler, SchedulerConfig
@@ -389,6 +389,14 @@ def test_a_failing_request_fails_alone(model):
         assert good.result().json()["choices"][0]["text"] == reference_text(model, PROMPTS[1], 20)
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
         assert metrics(url)['specdec_requests_total{status="failed"}'] == 1
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_events_from_the_template_equal_the_rendered_chunks(chat):
+    reply = Reply(chat, 'a "model" \x00specdec-text\x00')  # a name holding the template's marker too
+    for text in ["", "plain", ' "quoted" \\ back', "new\nline\ttab", "héllo ✓ 😀", "\x00specdec-text\x00"]:
+        for first in (True, False):
+            assert reply.text_event(text, first) == sse(reply.chunk(text, None, first))
 
 
 # ---- metrics ---------------------------------------------------------------------------------

@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -41,6 +43,7 @@ OPEN_PATHS = ("/health",)
 MAX_STOPS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.25
+TEXT_MARK = "\x00specdec-text\x00"  # stands for a chunk's text while the chunk's template is rendered
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ class PolicyBody(BaseModel):
 def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.outbox = Outbox(asyncio.get_running_loop())
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop, settings.drain_s)
@@ -271,8 +275,8 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
     max_tokens = check_request(body, settings, scheduler.config.context, len(ids), max_tokens)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     sampling = sampling_params(body)  # fields already range-checked by the body model
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    job = GenerationRequest(ids, max_tokens, sampling, stop, emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+    events, outbox = asyncio.Queue(), request.app.state.outbox
+    job = GenerationRequest(ids, max_tokens, sampling, stop, emit=partial(outbox.put, events), wake=outbox.wake,
                             speculate=body.speculate)
     try:
         scheduler.submit(job)
@@ -285,24 +289,65 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(stream_events(events, reply, include_usage), on_close=lambda: scheduler.cancel(job))
     try:
-        text, last = "", None
+        texts, last = [], None
         while last is None or not last.final:
-            last = await next_event(events, request)
-            if last is None:  # the client went away
+            waiting = await next_events(events, request)
+            if waiting is None:  # the client went away
                 return error_response(499, "client closed the request")
-            text += last.text
+            texts += [event.text for event in waiting]
+            last = waiting[-1]
     finally:
         scheduler.cancel(job)  # a no-op once the request is done
     if last.error is not None:
         return error_response(500, last.error, code="generation_failed")
-    return reply.complete(text, last)
+    return reply.complete("".join(texts), last)
 
 
-async def next_event(events: asyncio.Queue, request: Request) -> Event | None:
-    """The next event, or None once the client has disconnected."""
+class Outbox:
+    """Events from the decode thread to this event loop's requests: the decode thread puts a step's events
+    for every request, then wakes the loop once (a wake-up while one is pending is dropped); the loop then
+    hands them to their requests' queues."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Event]] = []
+        self.woken = False  # a flush is scheduled on the loop
+
+    def put(self, events: asyncio.Queue, event: Event) -> None:
+        """Decode thread: queue one request's event."""
+        with self.lock:
+            self.pending.append((events, event))
+
+    def wake(self) -> None:
+        """Decode thread: have the loop flush what was put, unless a flush is already scheduled."""
+        with self.lock:
+            if self.woken or not self.pending:
+                return
+            self.woken = True
+        self.loop.call_soon_threadsafe(self.flush)
+
+    def flush(self) -> None:
+        """Event loop: hand every pending event to its request."""
+        with self.lock:
+            pending, self.pending, self.woken = self.pending, [], False
+        for events, event in pending:
+            events.put_nowait(event)
+
+
+async def take_waiting(events: asyncio.Queue) -> list[Event]:
+    """The next event and every event queued behind it: one wake-up of the reader for all of them."""
+    taken = [await events.get()]
+    while not events.empty():
+        taken.append(events.get_nowait())
+    return taken
+
+
+async def next_events(events: asyncio.Queue, request: Request) -> list[Event] | None:
+    """The events waiting (at least one), or None once the client has disconnected."""
     while True:
         try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            return await asyncio.wait_for(take_waiting(events), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             if await request.is_disconnected():
                 return None
@@ -318,6 +363,7 @@ class Reply:
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.templates = {first: chunk_template(self, first) for first in (True, False)}
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -339,27 +385,56 @@ class Reply:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         return self.envelope([choice], chunk=True)
 
+    def text_event(self, text: str, first: bool) -> str:
+        """sse(self.chunk(text, None, first)) from the template rendered once per request: a token's event
+        encodes only its text."""
+        template = self.templates[first]
+        return template.head + json.dumps(text) + template.tail
+
+
+@dataclass(frozen=True)
+class ChunkTemplate:
+    """A text chunk's server-sent event: head + json.dumps(text) + tail."""
+
+    head: str
+    tail: str
+
+
+def chunk_template(reply: Reply, first: bool) -> ChunkTemplate:
+    """The text chunk rendered once with a marker for its text. The text is the chunk's last string (only
+    logprobs and finish_reason, both null, follow it), so the marker's last occurrence is the text's place."""
+    head, _, tail = sse(reply.chunk(TEXT_MARK, None, first)).rpartition(json.dumps(TEXT_MARK))
+    return ChunkTemplate(head, tail)
+
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 async def stream_events(events: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    first = True
-    while True:
-        event: Event = await events.get()
-        if event.error is not None:
-            yield sse({"error": {"message": event.error, "type": "server_error", "param": None, "code": "generation_failed"}})
-            break
-        if event.text or (first and reply.chat):
-            yield sse(reply.chunk(event.text, None, first))
-            first = False
-        if event.final:
-            yield sse(reply.chunk(None, event.finish_reason, first))
-            if include_usage:
-                yield sse({**reply.envelope([], chunk=True), "usage": event.usage})
-            break
-    yield sse("[DONE]")
+    """The request's server-sent events; the events waiting when the stream wakes go out in one write."""
+    first, done = True, False
+    while not done:
+        parts = []
+        for event in await take_waiting(events):
+            if event.error is not None:
+                parts.append(sse({"error": {"message": event.error, "type": "server_error", "param": None,
+                                            "code": "generation_failed"}}))
+                done = True
+                break
+            if event.text or (first and reply.chat):
+                parts.append(reply.text_event(event.text, first))
+                first = False
+            if event.final:
+                parts.append(sse(reply.chunk(None, event.finish_reason, first)))
+                if include_usage:
+                    parts.append(sse({**reply.envelope([], chunk=True), "usage": event.usage}))
+                done = True
+                break
+        if done:
+            parts.append(sse("[DONE]"))
+        if parts:
+            yield "".join(parts)
 
 
 class EventStream(StreamingResponse):

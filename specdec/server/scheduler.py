@@ -29,6 +29,10 @@ distribution stays the target's (lossless either way).
 
 Failure isolation: when a batched step raises, the step is redone row by row (each alone active: a
 step leaves inactive rows untouched) and only the rows that still fail are failed.
+
+Hand-over: the events of a prefill chunk and of a step are handed over together once it is done, each
+request's through its `emit`, then each distinct `wake` once (the app's wakes its event loop once for
+all its requests' events of the step, not once per request and token).
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: tuple[str, ...]
     emit: Callable[[Event], None]  # called from the decode thread; must not block
+    wake: Callable[[], None] | None = None  # called once after a hand-over of events to requests sharing it
     speculate: bool = True  # False: this row never drafts, whatever the policy picks for the batch
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
@@ -175,6 +180,7 @@ class Scheduler:
         self.prefill: Prefill | None = None  # the group whose prompts are being read
         self.joining: dict[int, GenerationRequest] = {}  # slot -> request of the group, until its prompt is read
         self.waiting: deque[GenerationRequest] = deque()
+        self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
         self.thread: threading.Thread | None = None
@@ -244,6 +250,7 @@ class Scheduler:
             self.finish_with_error(serving.request, "the server is shutting down")
         for request in [*self.joining.values(), *self.waiting]:
             self.finish_with_error(request, "the server is shutting down")
+        self.hand_over()
         self.running.clear()
         self.joining.clear()
         self.prefill = None
@@ -263,6 +270,7 @@ class Scheduler:
             self.admit()
             if self.prefill is not None:
                 self.read_chunk()
+                self.hand_over()  # first tokens go out before the step
             if self.running:
                 self.step()
         except Exception as e:  # a bug outside any one request: fail the batch, keep serving
@@ -270,6 +278,8 @@ class Scheduler:
             self.fail_joining(f"internal error: {e}")
             for slot in list(self.running):
                 self.fail(slot, f"internal error: {e}")
+        finally:
+            self.hand_over()
 
     def wait_for_work(self) -> bool:
         with self.cond:
@@ -418,7 +428,7 @@ class Scheduler:
             if not request.cancelled:
                 self.metrics.observe_latency(now - request.arrival)
                 self.metrics.count_request("finished")
-        deliver(request, event)
+        self.outgoing.append(Outgoing(request, event))
 
     def finish_with_error(self, request: GenerationRequest, message: str) -> None:
         with self.cond:
@@ -427,7 +437,18 @@ class Scheduler:
             request.done = True
         if not request.cancelled:
             self.metrics.count_request("failed")
-        deliver(request, Event(error=message))
+        self.outgoing.append(Outgoing(request, Event(error=message)))
+
+    def hand_over(self) -> None:
+        """Emit the events gathered since the last hand-over, in order, then call each distinct wake once."""
+        outgoing, self.outgoing = self.outgoing, []
+        wakes: dict[Callable[[], None], None] = {}  # distinct (equal bound methods are one), in order
+        for item in outgoing:
+            deliver(item.request.emit, item.event)
+            if item.request.wake is not None:
+                wakes[item.request.wake] = None
+        for wake in wakes:
+            deliver(wake)
 
     def fail(self, slot: int, message: str) -> None:
         self.finish_with_error(self.running[slot].request, message)
@@ -446,8 +467,14 @@ class Scheduler:
             self.cond.notify_all()
 
 
-def deliver(request: GenerationRequest, event: Event) -> None:
+@dataclass
+class Outgoing:
+    request: GenerationRequest
+    event: Event
+
+
+def deliver(call: Callable, *args) -> None:
     try:
-        request.emit(event)
+        call(*args)
     except Exception:  # the client side is gone (closed event loop): nothing to tell
         log.debug("could not deliver an event", exc_info=True)
