@@ -205,6 +205,35 @@ def test_events_hand_each_token_once_in_order(model):
     assert "".join(event.text for event in events) == model.tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_a_step_hands_its_events_over_then_wakes_once(model):
+    """The events of one step (or prefill chunk) for several requests go out together, followed by one call
+    of the wake they share (the app's wakes its event loop once per step, not once per request)."""
+    scheduler = make_scheduler(model, policy="off")
+    log: list[str] = []
+    finished = threading.Semaphore(0)
+
+    def emit(event: Event) -> None:
+        log.append("event")
+        if event.final:
+            finished.release()
+
+    wake = lambda: log.append("wake")  # noqa: E731 -- one callable shared by both requests
+    scheduler.start()
+    try:
+        scheduler.pause()  # both requests join the same batch
+        for prompt in PROMPTS[:2]:
+            ids = model.tokenizer(prompt)["input_ids"]
+            scheduler.submit(GenerationRequest(ids, 10, SamplingParams(temperature=0.0), (), emit, wake))
+        scheduler.resume()
+        assert finished.acquire(timeout=60) and finished.acquire(timeout=60)
+    finally:
+        scheduler.stop()
+    groups = "".join("e" if entry == "event" else "|" for entry in log).split("|")
+    assert groups[-1] == "" and all(groups[:-1])  # every wake follows the events it announces
+    assert max(len(g) for g in groups) == 2  # both rows' events of a step under one wake
+    assert log.count("event") == 20
+
+
 def test_a_request_done_at_its_first_token_takes_no_step(server):
     url, _ = server
     before = metrics(url)
