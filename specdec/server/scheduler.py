@@ -181,6 +181,8 @@ class Scheduler:
         self.joining: dict[int, GenerationRequest] = {}  # slot -> request of the group, until its prompt is read
         self.waiting: deque[GenerationRequest] = deque()
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
+        self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
+        self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
         self.thread: threading.Thread | None = None
@@ -264,17 +266,23 @@ class Scheduler:
             self.turn()
 
     def turn(self) -> None:
-        """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready."""
+        """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready.
+        With CUDA graphs and nothing joining, a step is launched before the last one is read (`step`)."""
         try:
             self.drop_cancelled()
+            if self.waiting or self.prefill is not None:
+                self.drain()  # rows are about to join: every launched step is read first
             self.admit()
             if self.prefill is not None:
                 self.read_chunk()
                 self.hand_over()  # first tokens go out before the step
             if self.running:
                 self.step()
+            if not self.running or self.paused:
+                self.drain()
         except Exception as e:  # a bug outside any one request: fail the batch, keep serving
             log.exception("decode loop error")
+            self.forget_launched()
             self.fail_joining(f"internal error: {e}")
             for slot in list(self.running):
                 self.fail(slot, f"internal error: {e}")
@@ -345,25 +353,61 @@ class Scheduler:
             self.cond.notify_all()
 
     def step(self) -> None:
+        """Launch one step over the running rows, then read steps until at most one is in flight: one
+        while the engine-style pipeline is safe (CUDA graphs, a graphable drafter, no rows joining), so
+        the host reads step n and hands its tokens out while the device runs step n+1; else none. A row
+        that finishes or leaves meanwhile is masked on the device or skipped when its step is read; a
+        different bucket reads the other's steps first."""
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
         gamma = self.policy.choose([self.running[s].acceptance for s in drafting]) if drafting else 0
-        rooms = {s: self.running[s].request.max_tokens - len(self.running[s].row.generated) - 1 for s in slots}
         self.batch.gamma.fill_(gamma)
         if len(drafting) < len(slots):
             self.batch.gamma[[s for s in slots if not self.running[s].request.speculate]] = 0
         stepper = self.stepper_for(slots[-1] + 1)
-        start = time.perf_counter()
+        if self.launched and self.launched[0].stepper is not stepper:
+            self.drain()
         try:
             stepper.launch(gamma)
-            reports = [stepper.read()]
-            self.policy.observe_step_time(len(slots), gamma, time.perf_counter() - start)
+            self.launched.append(Launch(stepper, len(slots), gamma, time.perf_counter()))
+            keep = 1 if stepper.pipelined and not self.waiting and self.prefill is None else 0
+            while len(self.launched) > keep:
+                self.read_oldest()
         except Exception:
             log.exception("batched step failed; retrying row by row")
-            stepper.in_flight.clear()
-            reports = self.step_rows_alone(stepper, slots, gamma)
+            self.forget_launched()
+            slots = sorted(self.running)
+            self.absorb_reports(self.step_rows_alone(stepper, slots, gamma), gamma)
+            self.remove_finished()
+
+    def read_oldest(self) -> None:
+        """Read the oldest launched step and hand its tokens out. The rooms left (for the acceptance
+        budgets) are each row's before this step, which the host knows only now."""
+        launch = self.launched.popleft()
+        rooms = {s: serving.request.max_tokens - len(serving.row.generated) - 1 for s, serving in self.running.items()}
+        report = launch.stepper.read()
+        now = time.perf_counter()
+        if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
+            self.policy.observe_step_time(launch.rows, launch.gamma, now - max(launch.start, self.last_read))
+            self.absorb_reports([report], launch.gamma, rooms)
+        self.last_read = now
+        self.remove_finished()
+
+    def drain(self) -> None:
+        while self.launched:
+            self.read_oldest()
+
+    def forget_launched(self) -> None:
+        """Drop every launched step unread (after a failure; the rows are retried or failed)."""
+        for launch in self.launched:
+            launch.stepper.in_flight.clear()
+        self.launched.clear()
+
+    def absorb_reports(self, reports: list[StepReport], gamma: int, rooms: dict[int, int] | None = None) -> None:
         for report in reports:
-            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0, rooms[rs.row.slot]))
+            before = rooms or {rs.row.slot: self.running[rs.row.slot].request.max_tokens - (len(rs.row.generated) - len(rs.new)) - 1
+                               for rs in report.rows}  # each row's room before the step
+            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0, before[rs.row.slot]))
                        for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
             self.policy.observe_step(budgets, accepted, report.draft_s)
@@ -372,7 +416,6 @@ class Scheduler:
                 serving = self.running[rs.row.slot]
                 serving.acceptance.observe(budget, rs.accepted)
                 self.emit(serving, rs.new)
-        self.remove_finished()
 
     def stepper_for(self, slots: int) -> Stepper:
         """The stepper over the first bucket_for(slots) slots (views of the full batch)."""
@@ -465,6 +508,15 @@ class Scheduler:
         del self.running[slot]
         with self.cond:
             self.cond.notify_all()
+
+
+@dataclass
+class Launch:
+    """A step launched and not read yet."""
+    stepper: Stepper
+    rows: int
+    gamma: int
+    start: float
 
 
 @dataclass
