@@ -381,15 +381,13 @@ class Scheduler:
             self.remove_finished()
 
     def read_oldest(self) -> None:
-        """Read the oldest launched step and hand its tokens out. The rooms left (for the acceptance
-        budgets) are each row's before this step, which the host knows only now."""
+        """Read the oldest launched step and hand its tokens out."""
         launch = self.launched.popleft()
-        rooms = {s: serving.request.max_tokens - len(serving.row.generated) - 1 for s, serving in self.running.items()}
         report = launch.stepper.read()
         now = time.perf_counter()
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
             self.policy.observe_step_time(launch.rows, launch.gamma, now - max(launch.start, self.last_read))
-            self.absorb_reports([report], launch.gamma, rooms)
+            self.absorb_reports([report], launch.gamma)
         self.last_read = now
         self.remove_finished()
 
@@ -403,11 +401,12 @@ class Scheduler:
             launch.stepper.in_flight.clear()
         self.launched.clear()
 
-    def absorb_reports(self, reports: list[StepReport], gamma: int, rooms: dict[int, int] | None = None) -> None:
+    def absorb_reports(self, reports: list[StepReport], gamma: int) -> None:
+        """Count each step and hand its tokens out; a row's draft budget is its gamma, within the room it
+        had before the step (its tokens then: the ones before this step's `new`)."""
         for report in reports:
-            before = rooms or {rs.row.slot: self.running[rs.row.slot].request.max_tokens - (len(rs.row.generated) - len(rs.new)) - 1
-                               for rs in report.rows}  # each row's room before the step
-            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0, before[rs.row.slot]))
+            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0,
+                                  self.running[rs.row.slot].request.max_tokens - (len(rs.row.generated) - len(rs.new)) - 1))
                        for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
             self.policy.observe_step(budgets, accepted, report.draft_s)
