@@ -15,9 +15,7 @@ model's RoPE expects (transformers' GGUF loader does the same).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ from torch import Tensor, nn
 
 from specdec.errors import UserError, first_line
 from specdec.models import cpu_gemm, cpu_quant
+from specdec.models.kernels import say_once
 from specdec.models.linear import Linear
 from specdec.models.llama import LlamaModel, ModelConfig
 
@@ -40,8 +39,8 @@ class GGUFTensor:
     tensor_type: object  # gguf.GGMLQuantizationType
 
     def floats(self) -> Tensor:
-        """The tensor as float32 (dequantised where it is quantised: bitwise gguf's reference)."""
-        if self.qtype in FLOAT_TYPES:
+        """The tensor as float32 (dequantised where it is quantised, and BF16's raw bits: bitwise gguf's reference)."""
+        if self.qtype in ("F32", "F16"):
             return torch.from_numpy(np.asarray(self.data, dtype=np.float32).copy())
         from gguf import quants
 
@@ -50,11 +49,6 @@ class GGUFTensor:
     def rows(self) -> Tensor:
         """A block tensor's raw rows, uint8 [N, bytes]."""
         return torch.from_numpy(np.array(self.data))  # a copy: the reader maps the file read-only
-
-
-@cache
-def say_once(message: str) -> None:
-    print(f"specdec: {message}", file=sys.stderr)
 
 
 def read_gguf(path: Path) -> tuple[str, dict[str, GGUFTensor]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.errors import UserError, first_line
 from specdec.paths import cache_root
-from specdec.models.kernels import CHOICES as KERNEL_CHOICES, use_kernels
+from specdec.models.kernels import CHOICES as KERNEL_CHOICES, say_once, use_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
 
 DEFAULT_MODEL = "default"
@@ -85,8 +84,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         raise UserError(f"gguf='native' runs GGUF files; {name} is not one")
     if path is not None and runs_native(gguf, dev, backend, kernels):
         return load_gguf(path, dt, kernels)
-    folder = gguf_folder(path, weights=True) if path is not None else resolve_folder(name)
-    return load_folder(folder, dt, dev, backend, kernels)
+    return load_folder(resolve_folder(name), dt, dev, backend, kernels)
 
 
 def runs_native(choice: str, device: torch.device, backend: str, kernels: str) -> bool:
@@ -157,11 +155,6 @@ def download_from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
     except Exception as e:  # offline, unknown repo, gated: all user-fixable
         raise UserError(f"could not fetch {repo_id!r} from the hub: {type(e).__name__}: {str(e).splitlines()[0]}") from e
-
-
-@cache
-def say_once(message: str) -> None:
-    print(f"specdec: {message}", file=sys.stderr)
 
 
 def gguf_folder(path: Path, weights: bool) -> Path:
