@@ -126,21 +126,25 @@ const char *specdec_isa(void) { return "avx2"; }
 
 /* One accumulator pair per row, as named variables (arrays would be spilled to the stack every k).
  * Output = acc * scale (when scale) + bias (when bias). */
+#define ACCUMULATORS                                                                                      \
+    __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;                         \
+    __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+#define EPILOGUE(R)                                                                                       \
+    const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);                              \
+    const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);                          \
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();                                 \
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();                             \
+    STORE(0, R) STORE(1, R) STORE(2, R) STORE(3, R) STORE(4, R) STORE(5, R)
 #define KERNEL(NAME, WTYPE, LOAD, R)                                                                      \
     static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
         const WTYPE *restrict w = wv;                                                                     \
-        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;                     \
-        __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;                                      \
+        ACCUMULATORS                                                                                      \
         for (int k = 0; k < K; k++) {                                                                     \
             LOAD(w, k)                                                                                    \
             ROW(0, R) ROW(1, R) ROW(2, R) ROW(3, R) ROW(4, R) ROW(5, R)                                   \
         }                                                                                                 \
-        const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);                          \
-        const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);                      \
-        const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();                             \
-        const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();                         \
-        STORE(0, R) STORE(1, R) STORE(2, R) STORE(3, R) STORE(4, R) STORE(5, R)                           \
+        EPILOGUE(R)                                                                                       \
     }
 #define ROW(i, R)                                                                                         \
     if (i < R) {                                                                                          \
@@ -209,8 +213,7 @@ const char *specdec_isa(void) { return "avx2"; }
     static void NAME##_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
         const uint8_t *restrict blk = wv;                                                                 \
-        __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0;                     \
-        __m256 l3 = l0, h3 = l0, l4 = l0, h4 = l0, l5 = l0, h5 = l0;                                      \
+        ACCUMULATORS                                                                                      \
         for (int k0 = 0; k0 < K; k0 += QK, blk += FMT##_BLOCK) {                                         \
             SETUP_##FMT(blk, 0)                                                                           \
             for (int k = k0; k < k0 + QK; k++) {                                                          \
@@ -218,11 +221,7 @@ const char *specdec_isa(void) { return "avx2"; }
                 ROW(0, R) ROW(1, R) ROW(2, R) ROW(3, R) ROW(4, R) ROW(5, R)                               \
             }                                                                                             \
         }                                                                                                 \
-        const __m256 s0 = scale ? _mm256_loadu_ps(scale) : _mm256_set1_ps(1.0f);                          \
-        const __m256 s1 = scale ? _mm256_loadu_ps(scale + 8) : _mm256_set1_ps(1.0f);                      \
-        const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();                             \
-        const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();                         \
-        STORE(0, R) STORE(1, R) STORE(2, R) STORE(3, R) STORE(4, R) STORE(5, R)                           \
+        EPILOGUE(R)                                                                                       \
     }
 /* As KERNEL_WIDE: one row times WIDE panels (pstride bytes apart). */
 #define KERNEL_WIDE_Q(NAME, FMT)                                                                          \
