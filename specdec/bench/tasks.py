@@ -83,17 +83,22 @@ def read_txt(path: Path, name: str) -> list[Task]:
     return [Task(f"{name}-{i}", line, None, None) for i, (_, line) in enumerate(read_lines(path))]
 
 
-def read_jsonl(path: Path, name: str) -> list[Task]:
-    tasks = []
-    for i, (n, line) in enumerate(read_lines(path)):
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """Each line of a JSONL file as (where: "file:line", its JSON object); UserError for a bad line."""
+    records = []
+    for n, line in read_lines(path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from e
         if not isinstance(record, dict):
             raise UserError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
-        tasks.append(parse_record(record, f"{path}:{n}", f"{name}-{i}"))
-    return tasks
+        records.append((f"{path}:{n}", record))
+    return records
+
+
+def read_jsonl(path: Path, name: str) -> list[Task]:
+    return [parse_record(record, where, f"{name}-{i}") for i, (where, record) in enumerate(read_records(path))]
 
 
 def parse_record(record: dict, where: str, default_id: str) -> Task:

@@ -25,14 +25,13 @@ Every mistake (a missing, empty or malformed file, a bad weight, a file named tw
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.bench.tasks import BUILTIN_TASKS, DATA_DIR, parse_record, read_lines, resolve_spec
+from specdec.bench.tasks import BUILTIN_TASKS, DATA_DIR, parse_record, read_lines, read_records, resolve_spec
 from specdec.errors import UserError
 
 DEFAULT_PROMPTS = "gsm8k-train"
@@ -124,14 +123,7 @@ def read_txt(path: Path) -> list[Prompt]:
 def read_jsonl(path: Path) -> list[Prompt]:
     """Bench's records (parse_record gives the prompt), each with its `answer` as free text."""
     prompts = []
-    for i, (n, line) in enumerate(read_lines(path)):
-        where = f"{path}:{n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON ({e.msg})") from e
-        if not isinstance(record, dict):
-            raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for i, (where, record) in enumerate(read_records(path)):
         answer = record.pop("answer", None)
         task = parse_record(record, where, str(i))
         prompts.append(Prompt(task.prompt, answer_text(answer, "question" in record, where), where))
