@@ -163,7 +163,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--confidence-threshold", type=float, default=0.4, help="for the confidence policy")
     b.add_argument("--max-new-tokens", type=int, default=256)
     add_sampling_args(b)
-    b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-draft (empty for none)")
+    b.add_argument("--peers", type=csv(str), default=("hf", "hf-pld"), help="comma-separated: hf, hf-pld, hf-assisted, llamacpp, llamacpp-pld, llamacpp-draft, and "
+                   "openai:URL[#MODEL] (any OpenAI-compatible server: vLLM, SGLang, llama-server, `specdec serve`; "
+                   "OPENAI_API_KEY is sent when set) (empty for none)")
     b.add_argument("--draft-gguf", default=None, help="llamacpp-draft: the draft model as a GGUF file (benchmarks/draft_gguf.py writes one)")
     b.add_argument("--repeats", type=int, default=1, help="times each method runs each prompt (median taken)")
     b.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -16,13 +16,44 @@ def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "-" if x is None else f"{x:.{digits}f}{suffix}"
 
 
+def lossless_cell(m: dict) -> str:
+    """matches/outputs, marked `(text)` where a server's text, not its token ids, was compared."""
+    if "lossless" not in m:
+        return "-"
+    return f"{m['matches_plain']}/{m['num_outputs']}" + (" (text)" if "text" in m.get("lossless_compared", "") else "")
+
+
+def server_lines(results: dict) -> list[str]:
+    """One line per openai peer: the server, how its outputs were compared, and its own spec-decode figures."""
+    lines = []
+    for m in results["methods"]:
+        if "server" not in m:
+            continue
+        server, spec = m["server"], m.get("server_spec_decode")
+        compared = {"return_token_ids": "token ids (return_token_ids)", "logprobs": "token ids (logprobs)",
+                    "text": "text only (the server gave no token ids)"}.get(server.get("token_ids_from"), "-")
+        line = f"{m['name']}: model {server['model']} at {server['url']}; outputs compared by {compared}; "
+        if spec is None:
+            line += "no spec-decode metrics"
+        elif spec.get("note"):
+            line += f"spec-decode metrics unusable: {spec['note']}"
+        else:
+            per_position = ", ".join(fmt(a) for a in spec["acceptance_per_position"][:8]) or "-"
+            line += (f"server-reported spec decode over the bench's requests: acceptance {fmt(spec['acceptance_rate'])}, "
+                     f"mean accepted length {fmt(spec['mean_accepted_length'])} (1 + accepted / drafts), "
+                     f"{spec['drafts']:.0f} drafts, {spec['draft_tokens']:.0f} draft tokens, "
+                     f"{spec['accepted_tokens']:.0f} accepted; per position: {per_position}")
+        lines.append(line)
+    return lines
+
+
 def format_table(results: dict) -> str:
     """The compact terminal table: one line per method."""
     header = ["method", "tok/s (median [p25-p75])", "x plain", "x hf", "alpha", "tau", "c", "r(g+1)", "est. x", "lossless", "acc"]
     rows = [header]
     for m in results["methods"]:
         t = m["tokens_per_s"]
-        lossless = "-" if "lossless" not in m else f"{m['matches_plain']}/{m['num_outputs']}"
+        lossless = lossless_cell(m)
         rows.append([
             m["name"],
             f"{fmt(t['median'], 1)} [{fmt(t['p25'], 1)}-{fmt(t['p75'], 1)}]",
@@ -43,7 +74,7 @@ def format_table(results: dict) -> str:
     where = env.get("gpu") or f"{env['processor']} ({env['cpu_threads']} threads)"
     lines.insert(0, f"{results['task']}: {results['num_prompts']} prompts, {env['device']} {env['dtype']}, {where}; "
                     f"medians over prompts; est. x = estimated speedup (formula)")
-    return "\n".join(lines + [f"note: {n}" for n in results["notes"]])
+    return "\n".join(lines + [f"server: {x}" for x in server_lines(results)] + [f"note: {n}" for n in results["notes"]])
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
@@ -208,7 +239,7 @@ def markdown_table(results: dict) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for m in results["methods"]:
         t = m["tokens_per_s"]
-        lossless = "-" if "lossless" not in m else f"{m['matches_plain']}/{m['num_outputs']}"
+        lossless = lossless_cell(m)
         cells = [m["name"], fmt(t["median"], 1), fmt(t["p25"], 1), fmt(t["p75"], 1),
                  fmt(m["speedup_vs_plain"]["median"]), fmt(m["speedup_vs_hf"]["median"]),
                  fmt(m.get("acceptance_rate")), fmt(m.get("mean_accepted_length")), fmt(m.get("cost_coefficient"), 3),
@@ -263,6 +294,13 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
                   f"{cal['floor_forward_s'] * 1e3:.2f} ms: {cal['floor_tokens_per_s']:.0f} tokens/s. Plain decoding through "
                   f"specdec reaches {plain['tokens_per_s']['median']:.1f} tokens/s, {share:.1%} of that floor "
                   f"(a measured single forward: {float(cal['forward_s']['1']) * 1e3:.2f} ms)."]
+    servers = server_lines(results)
+    if servers:
+        parts += ["## OpenAI-compatible servers",
+                  "Each server got the same prompts' token ids; its speed is whole requests over HTTP. Lossless "
+                  "marked (text) compares the server's text with specdec plain's decoded text, not token ids. "
+                  "Spec-decode figures are the server's own counters (vllm:spec_decode_*), not specdec's.",
+                  "\n".join(f"- {line}" for line in servers)]
     parts += ["## Against the targets", "\n".join(f"- {line}" for line in target_findings(results))]
     policies = policy_findings(results)
     if policies:

@@ -7,6 +7,8 @@ baseline), each drafter x gamma (`specdec/ngram/4`), and peers (`hf`, `hf-pld/4`
 the measured speedup (median over prompts of the per-prompt ratio to specdec/none and to hf),
 acceptance, tau, the measured cost coefficient c and verify ratio r, the estimated speedups, whether
 every greedy output equals plain greedy decoding, and GSM8K accuracy where references exist.
+`openai:URL` peers (specdec/bench/peers.py) send the same prompts' token ids to an OpenAI-compatible
+server and add the server's own spec-decode counters over the bench's requests (`server_spec_decode`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from specdec.costs import (
     weight_bytes_per_forward,
 )
 from specdec.api import encode_prompt
-from specdec.bench.peers import PEERS, HFPeer, LlamaCppPeer, llama_cpp_available
+from specdec.bench.peers import (OPENAI, PEERS, HFPeer, LlamaCppPeer, OpenAIPeer, is_openai_peer, llama_cpp_available,
+                                  parse_openai_peer, spec_decode_delta)
 from specdec.bench.tasks import Task, is_correct, load_tasks
 from specdec.adaptive import POLICIES
 from specdec.config import SamplingParams, SpecConfig
@@ -86,9 +89,13 @@ class BenchConfig:
         bad_policies = [p for p in self.policies if p not in POLICIES or p == "fixed"]
         if bad_policies:
             raise UserError(f"unknown gamma policy(ies) {bad_policies}; choose from heuristic, confidence, cost")
-        bad_peers = [p for p in self.peers if p not in PEERS]
+        bad_peers = [p for p in self.peers if p not in PEERS and not is_openai_peer(p)]
         if bad_peers:
-            raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)}")
+            raise UserError(f"unknown peer(s) {bad_peers}; choose from {list(PEERS)} or openai:URL")
+        labels = [parse_openai_peer(p).label for p in self.peers if is_openai_peer(p)]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if twice:
+            raise UserError(f"peer(s) {twice} given twice")
         if "llamacpp-draft" in self.peers and (self.draft_gguf is None or not Path(self.draft_gguf).is_file()):
             raise UserError("the llamacpp-draft peer needs --draft-gguf FILE (benchmarks/draft_gguf.py writes specdec's draft as one)")
         if "hf-assisted" in self.peers and self.draft_model is None:
@@ -104,6 +111,7 @@ class Method:
     drafter: str | None = None
     gamma: int = 0  # 0 with an adaptive policy
     policy: str = "fixed"
+    endpoint: str | None = None  # an openai peer's spec: openai:URL[#MODEL]
 
 
 @dataclass
@@ -117,7 +125,7 @@ class RunRecord:
     num_tokens: int
     wall_s: float
     tokens_per_s: float
-    token_ids: list[int]
+    token_ids: list[int] | None  # None: a server that gave only text (openai peers)
     text: str | None
     correct: bool | None
     stats: dict | None  # SpecStats.to_dict() for specdec methods
@@ -133,6 +141,9 @@ def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method
     notes = []
     pld = config.pld_gammas or config.gammas
     for peer in config.peers:
+        if is_openai_peer(peer):
+            methods.append(Method(parse_openai_peer(peer).label, OPENAI, endpoint=peer))
+            continue
         if peer.startswith("llamacpp") and not have_llama_cpp:
             notes.append(f"{peer}: skipped (llama-cpp-python is not installed; `pip install llama-cpp-python`)")
             continue
@@ -152,6 +163,8 @@ class Runner:
 
     def __init__(self, config: BenchConfig, methods: list[Method]) -> None:
         self.config = config
+        # servers first: an unreachable URL fails before a model loads
+        self.openai = {m.name: OpenAIPeer(m.endpoint) for m in methods if m.family == OPENAI}
         self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels, gguf=config.gguf)
         if self.target.tokenizer is None:
             raise UserError(f"{config.model} has no tokenizer: bench needs one to encode its prompts")
@@ -203,12 +216,29 @@ class Runner:
                               sampling=sampling)
             row = self.engines[method.name].generate([prompt], spec).rows[0]
             return row.token_ids, row.stats.wall_s, row.stats.to_dict()
+        if method.family == OPENAI:
+            out = self.openai[method.name].generate(prompt, max_new_tokens, sampling)
+            return out.token_ids, out.wall_s, None
         peer = self.llama if method.family.startswith("llamacpp") else self.hf
         out = peer.generate(prompt, max_new_tokens, sampling, method.family, method.gamma)
         return out.token_ids, out.wall_s, None
 
     def decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def output(self, method: Method, prompt: list[int],
+               max_new_tokens: int) -> tuple[list[int] | None, float, dict | None, str, int]:
+        """run()'s token ids, wall time and stats, with the text and the number of tokens: a server's own
+        (openai peers), else decoded from and counted in the token ids."""
+        if method.family == OPENAI:
+            out = self.openai[method.name].generate(prompt, max_new_tokens, self.config.sampling)
+            return out.token_ids, out.wall_s, None, out.text, out.num_tokens
+        ids, wall, stats = self.run(method, prompt, max_new_tokens)
+        return ids, wall, stats, self.decode(ids), len(ids)
+
+    def spec_decode_counters(self) -> dict:
+        """Each openai peer's server spec-decode counters now (None where it has none)."""
+        return {name: peer.spec_decode_counters() for name, peer in self.openai.items()}
 
 
 def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Method], list[str]]:
@@ -245,11 +275,17 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     methods, refused = label_by_what_runs(methods, runner.engines)
     notes += refused
     prompts = [runner.encode(t) for t in tasks]
+    servers: dict[str, list[str]] = {}
+    for name, peer in runner.openai.items():
+        servers.setdefault(peer.endpoint.root, []).append(name)
+    notes += [f"{', '.join(names)} share the server {root}: its spec-decode counters cover all of their requests"
+              for root, names in servers.items() if len(names) > 1]
 
     for method in tqdm(methods, desc="warm-up", disable=not progress, leave=False):
         runner.run(method, prompts[0], min(16, config.max_new_tokens))
     runner.forget_requests()  # a suffix drafter then learns only from the prompts before each one, as a server would
 
+    counters_before = runner.spec_decode_counters()  # after the warm-up, so only the measured requests count
     records: list[RunRecord] = []
     total = config.repeats * len(tasks) * len(methods)
     with tqdm(total=total, desc="bench", disable=not progress, unit="run") as bar:
@@ -257,18 +293,24 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
             for task, prompt in zip(tasks, prompts):
                 for method in methods:
                     bar.set_postfix_str(method.name)
-                    ids, wall, stats = runner.run(method, prompt, config.max_new_tokens)
-                    text = runner.decode(ids)
+                    ids, wall, stats, text, count = runner.output(method, prompt, config.max_new_tokens)
                     records.append(RunRecord(
                         method=method.name, task_id=task.id, category=task.category, repeat=repeat,
-                        num_tokens=len(ids), wall_s=wall, tokens_per_s=len(ids) / wall if wall > 0 else 0.0,
+                        num_tokens=count, wall_s=wall, tokens_per_s=count / wall if wall > 0 else 0.0,
                         token_ids=ids, text=text, stats=stats,
                         correct=is_correct(text, task.reference) if task.reference else None,
                     ))
                     bar.update()
+    counters_after = runner.spec_decode_counters()
 
     calibration = calibrate(runner, prompts, records, methods)
     summaries = [summarize(m, records, calibration, config.sampling.greedy) for m in methods]
+    for summary in summaries:
+        if summary["family"] == OPENAI:
+            peer = runner.openai[summary["name"]]
+            summary["server"] = {"url": peer.endpoint.root, "model": peer.model, "token_ids_from": peer.source}
+            name = summary["name"]
+            summary["server_spec_decode"] = spec_decode_delta(counters_before[name], counters_after[name])
     return {
         "schema": "specdec.bench/1",
         "config": {**asdict(config), "sampling": asdict(config.sampling)},
@@ -344,14 +386,29 @@ def summarize(method: Method, records: list[RunRecord], calibration: dict, greed
         "mean_new_tokens": statistics.mean(r.num_tokens for r in first),
     }
     if greedy:
-        plain = {t: v[0].token_ids for t, v in per_prompt(records, PLAIN).items()}
-        same = [r.token_ids == plain[r.task_id] for rs in runs.values() for r in rs]
+        plain = {t: v[0] for t, v in per_prompt(records, PLAIN).items()}
+        mine = [r for rs in runs.values() for r in rs]
+        same = [same_output(r, plain[r.task_id]) for r in mine]
         summary["matches_plain"] = sum(same)
         summary["num_outputs"] = len(same)
         summary["lossless"] = all(same)
+        by_text = [r for r in mine if r.token_ids is None]
+        summary["lossless_compared"] = " and ".join(
+            ["token ids"] * (len(by_text) < len(mine)) + ["text"] * bool(by_text))
+        if by_text:  # what a text comparison cannot see: the token counts
+            summary["num_tokens_match_plain"] = sum(r.num_tokens == len(plain[r.task_id].token_ids) for r in by_text)
     if method.family == "specdec":
         summary.update(acceptance_summary(method, [r.stats for rs in runs.values() for r in rs], calibration))
     return summary
+
+
+def same_output(run: RunRecord, plain: RunRecord) -> bool:
+    """The run's output equals plain greedy decoding's: token for token, or, for a server that gave only
+    text, its text equals the plain tokens' decoded text (leading whitespace aside: detokenizers differ on
+    the first token's space)."""
+    if run.token_ids is not None:
+        return run.token_ids == plain.token_ids
+    return run.text is not None and plain.text is not None and run.text.lstrip() == plain.text.lstrip()
 
 
 def acceptance_summary(method: Method, stats: list[dict], calibration: dict) -> dict:
