@@ -144,6 +144,8 @@ def unchanged(a: list, b: list) -> bool:
 def linear_problem(lin: nn.Module, in_features: int, out_features: int) -> str | None:
     if getattr(lin, "packed", None) is None:
         return "a Linear layer not packed for the C kernels (kernels='library'?)"
+    if getattr(lin, "split", None) is not None:
+        return "a tensor-parallel shard (its partial products are summed across ranks between the C kernels)"
     if (lin.in_features, lin.out_features) != (in_features, out_features):
         return f"a {lin.in_features} x {lin.out_features} Linear where {in_features} x {out_features} was expected"
     if lin.qtype is None and (lin.packed.dtype not in cpu_gemm.WEIGHT_TYPES or (lin.packed.dtype == torch.int8) != (lin.scales is not None)):
@@ -297,4 +299,6 @@ def norm_and_logits(norm: nn.Module, lm_head: nn.Module, x: Tensor, logits_at: T
     h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
     logits = cpu_gemm.gemm(h, lm_head.packed, lm_head.packed_bias, lm_head.out_features, lm_head.scales, out_dtype=torch.float32,
                            qtype=lm_head.qtype)
+    if getattr(lm_head, "split", None) is not None:  # a tensor-parallel vocabulary shard
+        logits = lm_head.split.combine(logits)
     return hidden, logits

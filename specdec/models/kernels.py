@@ -247,12 +247,23 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
                                k_cache, v_cache, cache.lengths, T, attn.num_heads, attn.num_kv_heads,
                                q_norm, k_norm, qk_eps)  # [M, H*Dh]
         o = ops.attention(q, k_cache, v_cache, cache.lengths, T, visible, positions, window)  # [M, H*Dh]
-        h, g_in = ops.linear(o, attn.o_proj.weight, attn.o_proj.bias, residual=h,
-                             next_norm=norm_args(layer.post_attention_layernorm))  # [M, D]
+        h, g_in = add_product(o, attn.o_proj, h, norm_args(layer.post_attention_layernorm))  # [M, D]
         g = ops.silu_linear(g_in, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)  # [M, I]
         following = norm_args(layers[i + 1].input_layernorm) if i + 1 < len(layers) else (None, 0.0)
-        h, h_in = ops.linear(g, mlp.down_proj.weight, mlp.down_proj.bias, residual=h, next_norm=following)  # [M, D]
+        h, h_in = add_product(g, mlp.down_proj, h, following)  # [M, D]
     return h.view(B, T, D)
+
+
+def add_product(x: Tensor, linear: nn.Module, h: Tensor, next_norm: tuple[Tensor | None, float]):
+    """(h + x @ W^T [M, D], the next norm's input): the residual add and the next norm fused into the GEMM;
+    for a tensor-parallel shard (row parallel), the ranks' float32 partial products are gathered and added to
+    h in rank order by one more kernel (tensor_parallel.py: an all-reduce's order would depend on M)."""
+    from specdec.models import triton_ops as ops
+
+    if linear.split is None:
+        return ops.linear(x, linear.weight, linear.bias, residual=h, next_norm=next_norm)
+    part = ops.linear(x, linear.weight, linear.bias, out_dtype=torch.float32)  # [M, D], this rank's partial sum
+    return ops.add_partials(linear.split.gather_ranks(part), h, next_norm)
 
 
 def norm_exact(norm: nn.Module, x: Tensor) -> Tensor:
@@ -269,4 +280,6 @@ def logits_exact(lm_head: nn.Module, h: Tensor) -> Tensor:
 
     B, T, D = h.shape
     y = ops.linear(h.reshape(B * T, D).contiguous(), lm_head.weight, lm_head.bias, out_dtype=torch.float32)
+    if getattr(lm_head, "split", None) is not None:  # a tensor-parallel vocabulary shard
+        y = lm_head.split.combine(y)
     return y.view(B, T, -1)

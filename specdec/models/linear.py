@@ -23,13 +23,18 @@ class Linear(nn.Linear):
     packed_bias: Tensor | None = None  # [ceil(out/16) * 16] float32, the bias as the kernel reads it
     scales: Tensor | None = None  # [ceil(out/16) * 16] per-output scales of int8 panels (quantize_int8)
     qtype: str | None = None  # GGUF block format of uint8 panels ("Q4_0", "Q4_1", "Q8_0"; cpu_quant.py)
+    split = None  # a tensor_parallel.Split: this layer is one rank's shard, its products combined across ranks
 
     @property
     def quantized(self) -> bool:
         """Whether the panels are the only copy of the weight (int8 or GGUF blocks; `weight` is empty)."""
         return self.scales is not None or self.qtype is not None
 
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out] (the whole layer's out under tensor parallelism)
+        y = self.local_forward(x)
+        return y if self.split is None else self.split.combine(y)
+
+    def local_forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., this shard's out]
         if self.packed is None or (torch.is_grad_enabled() and not self.quantized):
             return F.linear(x, self.weight, self.bias)
         if x.dtype in cpu_gemm.KERNEL_DTYPES:
@@ -63,6 +68,8 @@ def take_rows(linear: Linear, rows: Tensor, dtype: torch.dtype, dequantize: bool
         out.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         return out
     weight = float_weight(linear).detach()
+    if linear.split is not None and linear.split.kind == "columns":  # one rank's vocabulary shard: rows of all of them
+        weight = linear.split.whole_weight(weight)
     out.weight = nn.Parameter(weight[rows.to(weight.device)].to(dtype).clone(), requires_grad=False)
     return out
 

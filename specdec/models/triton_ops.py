@@ -480,6 +480,32 @@ def prenorm_kernel(x_ptr, w_ptr, xn_ptr, sq_ptr, D, BLOCK_D: tl.constexpr, NORM_
     tl.store(sq_ptr + row * n_parts + part, part_sq, mask=part < n_parts)
 
 
+@triton.jit
+def add_partials_kernel(parts_ptr, res_ptr, h_ptr, w_ptr, xn_ptr, sq_ptr, M, D, N: tl.constexpr, HAS_NORM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, NORM_PART: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row of h = residual + parts[0] + ... + parts[N-1] (fp32, in that order; rounded to h's dtype):
+    the ranks' partial products of a row-parallel layer (tensor_parallel.py), and NormedRows of h for the
+    next norm as prenorm_kernel makes them."""
+    row = tl.program_id(0).to(tl.int64)
+    pdl_enter(USE_PDL)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.load(res_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(N):
+        acc = acc + tl.load(parts_ptr + (r * M + row) * D + offs, mask=mask, other=0.0)
+    h = acc.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * D + offs, h, mask=mask)
+    if HAS_NORM:
+        x = h.to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(xn_ptr + row * D + offs, (x * w).to(xn_ptr.dtype.element_ty), mask=mask)
+        PARTS: tl.constexpr = BLOCK_D // NORM_PART
+        part_sq = tl.sum(tl.reshape(x * x, [PARTS, NORM_PART]), axis=1)  # [PARTS]
+        n_parts = tl.cdiv(D, NORM_PART)
+        part = tl.arange(0, PARTS)
+        tl.store(sq_ptr + row * n_parts + part, part_sq, mask=part < n_parts)
+
+
 # ------------------------------------------------------------------------------------------ attention
 
 
@@ -714,6 +740,22 @@ def prenorm(x: Tensor, weight: Tensor, eps: float) -> NormedRows:
     prenorm_kernel[(M,)](x, weight, normed.x, normed.sq, D, BLOCK_D=max(NORM_PART, triton.next_power_of_2(D)),
                          NORM_PART=NORM_PART, USE_PDL=use_pdl, num_warps=4, **extra)
     return normed
+
+
+def add_partials(parts: Tensor, residual: Tensor, next_norm: tuple[Tensor | None, float]) -> tuple[Tensor, Tensor | NormedRows]:
+    """parts [N, M, D] fp32 (every rank's partial product), residual [M, D] -> (h = residual + the parts in
+    rank order [M, D], the next norm's input: NormedRows of h, or h itself when the norm weight is None)."""
+    N, M, D = parts.shape
+    h = torch.empty_like(residual)
+    weight, eps = next_norm
+    normed = None if weight is None else NormedRows(
+        torch.empty_like(residual), torch.empty(M, triton.cdiv(D, NORM_PART), dtype=torch.float32, device=h.device), float(eps))
+    use_pdl, extra = launch_options(h.device)
+    add_partials_kernel[(M,)](parts, residual, h, weight, None if normed is None else normed.x,
+                              None if normed is None else normed.sq, M, D, N=N, HAS_NORM=normed is not None,
+                              BLOCK_D=max(NORM_PART, triton.next_power_of_2(D)), NORM_PART=NORM_PART, USE_PDL=use_pdl,
+                              num_warps=4, **extra)
+    return h, (h if normed is None else normed)
 
 
 def linear(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,

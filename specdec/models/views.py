@@ -36,7 +36,7 @@ def follow_kernels(drafter: nn.Module, target: nn.Module) -> None:
 def shell(target: LlamaModel, num_layers: int) -> LlamaModel:
     """An empty LlamaModel (no storage) with the target's config but `num_layers` layers."""
     with torch.device("meta"):
-        model = LlamaModel(replace(target.config, num_layers=num_layers))
+        model = LlamaModel(replace(target.config, num_layers=num_layers), target.shard)
     model.inv_freq = target.inv_freq
     model.tokenizer = target.tokenizer
     return model

@@ -1,0 +1,86 @@
+"""Tensor parallelism on the CPU over gloo: two torchrun processes each hold half of a tiny Llama
+(specdec/models/tensor_parallel.py) and decode with every drafter, greedily and with a seeded sampler.
+
+- Both ranks emit the same tokens (each computes every step bitwise alike: the drafters are replicated).
+- On a model whose logits are NOT sharpened (near-ties at most steps), greedy speculation at tp 2 equals
+  plain greedy decoding at tp 2 token for token, as at tp 1.
+- tp 2 gives the tokens tp 1 gives, greedy and sampled (fp32). Their logits are not bitwise equal (the
+  ranks' partial sums add in another order than one rank's), so this equality is checked, not implied.
+  The `quantized` drafter quantises each rank's shard with its own scales, so its drafts, and therefore
+  its sampled tokens, may differ between tp 1 and tp 2 (sampling is exact in distribution only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_hf, save_hf
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import tp_worker  # noqa: E402
+
+
+def run_ranks(tmp: Path, target: Path, draft: Path, world: int) -> list[dict]:
+    prefix = tmp / f"{target.name}-tp{world}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(HERE / "tp_worker.py"), str(target), str(draft), str(prefix)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def run_single(tmp: Path, target: Path, draft: Path) -> dict:
+    prefix = tmp / f"{target.name}-tp1"
+    done = subprocess.run([sys.executable, str(HERE / "tp_worker.py"), str(target), str(draft), str(prefix)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "WORLD_SIZE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(Path(f"{prefix}.rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    draft = save_hf(build_hf("llama", seed=1, num_hidden_layers=1), tmp / "draft")
+    out = {}
+    for name, model in (("flat", build_hf("llama", seed=0, num_hidden_layers=3)), ("sharp", build_hf("llama", seed=0, logit_scale=8.0))):
+        folder = save_hf(model, tmp / name)
+        out[name] = run_single(tmp, folder, draft), run_ranks(tmp, folder, draft, 2)
+    return out
+
+
+@pytest.mark.parametrize("model", ["flat", "sharp"])
+def test_ranks_emit_the_same_tokens(runs, model):
+    _, (rank0, rank1) = runs[model]
+    assert rank0 == rank1
+
+
+@pytest.mark.parametrize("name", tp_worker.DRAFTERS)
+def test_greedy_speculation_at_tp2_equals_plain_at_tp2_with_near_ties(runs, name):
+    _, (rank0, _) = runs["flat"]
+    assert rank0[name]["greedy"] == rank0["none"]["greedy"]
+
+
+@pytest.mark.parametrize("model", ["flat", "sharp"])
+@pytest.mark.parametrize("name", tp_worker.DRAFTERS)
+def test_tp2_gives_the_tokens_of_tp1(runs, model, name):
+    single, (rank0, _) = runs[model]
+    assert rank0[name]["greedy"] == single[name]["greedy"]
+    if name != "quantized":
+        assert rank0[name]["sampled"] == single[name]["sampled"]
+
+
+def test_tp2_rounds_differently_from_tp1(runs):
+    """Power: the tp 2 forward is not bitwise the tp 1 forward, so the equalities above are measured."""
+    single, (rank0, _) = runs["flat"]
+    a, b = torch.tensor(single["logits"]), torch.tensor(rank0["logits"])
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
