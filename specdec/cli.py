@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget-s", type=float, default=120.0, help="advise's time budget in seconds")
     d.add_argument("--out", default="runs/demo", help="folder for advise's pages")
 
+    x = sub.add_parser("export", help="write a trained drafter in the layouts vLLM, SGLang and speculators load, "
+                                      "validated against their schemas")
+    add_export_args(x)
+
     from specdec.server.cli import add_server_commands
 
     add_server_commands(sub)
@@ -274,6 +278,30 @@ def add_analyze_args(a: argparse.ArgumentParser) -> None:
     a.add_argument("--json", action="store_true", help="print the analysis JSON instead of the summary")
 
 
+def add_export_args(x: argparse.ArgumentParser) -> None:
+    x.add_argument("drafter", nargs="?", default=None, help="eagle, medusa or draft_model (the shipped one for the default "
+                   "model unless --drafter-path)")
+    x.add_argument("--layout", default=None, help="eagle: vllm, sglang, speculators, reference; medusa: vllm, medusa; "
+                   "draft_model: hf (vllm, sglang: the same plain HF folder)")
+    x.add_argument("--out", default=None, help="folder to write (default runs/export/<drafter>-<layout>)")
+    x.add_argument("--drafter-path", default=None, help="a folder written by `specdec train eagle|medusa|draft`")
+    x.add_argument("--target-name", default=None, help="the target as the runtime names it (hub id or path) for the "
+                   "config and the printed commands (default: --model; the default model's hub id)")
+    x.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step written into speculators' "
+                   "config and the printed commands")
+    x.add_argument("--check", default=None, metavar="DIR", help="validate DIR against its layout's schema (detected, or "
+                   "--layout) and exit: 0 valid, 1 not")
+    x.add_argument("--force", action="store_true", help="write into a non-empty --out (replacing an export's files)")
+    x.add_argument("--json", action="store_true", help="print one JSON summary")
+    add_model_args(x)
+
+
+def run_export_cmd(args: argparse.Namespace) -> int:
+    from specdec.interop.export import run_export
+
+    return run_export(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -302,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_advise(args)
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "export":
+            return run_export_cmd(args)
         if args.command in ("serve", "bench-serve"):
             from specdec.server.cli import run_bench_serve, run_serve
 
