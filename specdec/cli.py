@@ -78,6 +78,11 @@ def spec_config(args: argparse.Namespace, sampling, **extra):
                       max_new_tokens=args.max_new_tokens, sampling=sampling, **extra)
 
 
+def add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: shard the target over N processes (one GPU "
+                   "each on CUDA, gloo on the CPU), launched with torchrun for you (default 1)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -102,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text and a table")
     g.add_argument("--check-lossless", action="store_true", help="also decode plainly and compare token ids (greedy only)")
+    add_tp_arg(g)
     add_config_arg(g)
 
     b = sub.add_parser("bench", help="measure drafters x gammas against plain decoding and peers, side by side")
@@ -172,6 +178,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "OPENAI_API_KEY is sent when set) (empty for none)")
     b.add_argument("--draft-gguf", default=None, help="llamacpp-draft: the draft model as a GGUF file (benchmarks/draft_gguf.py writes one)")
     b.add_argument("--repeats", type=int, default=1, help="times each method runs each prompt (median taken)")
+    add_tp_arg(b)
     b.add_argument("--raw", action="store_true", help="do not apply the chat template")
     b.add_argument("--out", default="runs/bench", help="folder for results.json, report.md and plots")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
@@ -307,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args = apply_config(parser, args, argv)
+        tp = getattr(args, "tp", 1)
+        if tp < 1:
+            raise UserError(f"--tp must be >= 1, got {tp}")
+        if tp > 1 and "WORLD_SIZE" not in os.environ:
+            return launch_ranks(tp, sys.argv[1:] if argv is None else argv, args)
+        if tp > 1:
+            return run_rank(args)
         set_threads(args.threads)
         if args.command == "generate":
             return run_generate(args)
@@ -352,6 +366,69 @@ def main(argv: list[str] | None = None) -> int:
         print("specdec: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def launch_ranks(tp: int, argv: list[str], args: argparse.Namespace) -> int:
+    """Run this same command in `tp` processes, one per rank, with the environment torchrun would give them
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 speaks, the others' errors are reported.
+    The first rank to fail stops the others."""
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    if args.command == "generate" and args.prompt in (None, "-"):
+        raise UserError("with --tp give the prompt as an argument (stdin reaches only one process)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    logs = [None] + [tempfile.TemporaryFile("w+") for _ in range(1, tp)]
+    ranks = [subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=None if r == 0 else subprocess.DEVNULL, stderr=logs[r]) for r in range(tp)]
+    try:
+        while True:
+            codes = [p.poll() for p in ranks]
+            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+        if failed:  # rank 0 usually meets the same error: give it a moment to say it itself
+            try:
+                if ranks[0].wait(timeout=3):
+                    failed, codes[0] = 0, ranks[0].returncode
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.terminate()
+        for p in ranks:
+            p.wait()
+    if failed is None:
+        return 0
+    if failed > 0:
+        logs[failed].seek(0)
+        lines = [line for line in logs[failed].read().splitlines() if line.strip()]
+        print(f"specdec: error: rank {failed} of {tp} failed: {lines[-1] if lines else f'exit code {codes[failed]}'}",
+              file=sys.stderr)
+    return codes[failed]
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank of a tensor-parallel `generate` or `bench` (launched by launch_ranks or torchrun)."""
+    from specdec.models.tensor_parallel import finish_ranks, join_group
+
+    if args.command not in ("generate", "bench"):
+        raise UserError(f"--tp runs `generate` and `bench`; `{args.command}` does not run tensor-parallel")
+    shard = join_group(args.tp, args.device)
+    if shard.rank > 0:  # every rank computes the same tokens: rank 0 speaks for them (errors still go to stderr)
+        sys.stdout = open(os.devnull, "w")
+    set_threads(args.threads)
+    code = run_generate(args) if args.command == "generate" else run_bench_cmd(args)
+    finish_ranks(shard)
+    return code
 
 
 def set_threads(threads: int | None) -> None:
@@ -422,7 +499,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError("--check-lossless compares greedy outputs: use --temperature 0")
     check_drafter_args(args)
     extra = drafter_extra(args)
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
+    from specdec.models.tensor_parallel import join_group
+
+    shard = join_group(getattr(args, "tp", 1), args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, shard=shard)
     if target.tokenizer is None:
         raise UserError(f"{args.model} has no tokenizer files: the CLI needs one to encode the prompt")
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
@@ -438,6 +518,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "device": str(engine.device),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "kernels": kernel_path(target).to_dict(),
+        "tp": shard.world,
         "text": row.text,
         "token_ids": row.token_ids,
         "finish_reason": row.finish_reason,
@@ -471,7 +552,8 @@ def format_stats(report: dict) -> str:
     rows = [
         ("drafter / gamma", f"{report['drafter']} / {report['gamma']}"),
         ("device / dtype", f"{report['device']} / {report['dtype']}"),
-        ("kernels", f"{report['kernels']['name']} ({'' if report['kernels']['exact'] else 'not '}block/batch-invariant)"),
+        ("kernels", f"{report['kernels']['name']} ({'' if report['kernels']['exact'] else 'not '}block/batch-invariant)"
+                    + (f", tensor-parallel over {report['tp']} ranks" if report.get("tp", 1) > 1 else "")),
         ("weights", report["kernels"]["weights"]),
         ("tokens emitted", s["emitted"]),
         ("target steps", s["steps"]),
@@ -509,8 +591,9 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
         dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
+        tp=args.tp,
     )
-    results = run_bench(config, progress=not args.json)
+    results = run_bench(config, progress=not args.json and os.environ.get("RANK", "0") == "0")
     files = write_outputs(results, Path(args.out))
     if args.json:
         print(json.dumps(results))

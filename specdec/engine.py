@@ -23,6 +23,7 @@ from specdec.errors import UserError
 from specdec.graphs import bucket
 from specdec.metrics import SpecStats
 from specdec.models.llama import LlamaModel
+from specdec.models.tensor_parallel import SINGLE
 from specdec.step import Observer, StepRecord, Stepper, StepTimes, new_stepper
 
 __all__ = ["GenerateOutput", "RowOutput", "SpecEngine", "StepRecord"]
@@ -124,11 +125,15 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
     batch.confidence = config.confidence_threshold if config.gamma_policy == "confidence" else None
     in_flight = 1 if stepper.pipelined and observer is None else 0  # steps launched before reading one
     gammas: list[int] | None = None
+    shard = getattr(stepper.target, "shard", SINGLE)
+    agree = shard.parallel and policy.cost is not None  # timed choices differ per rank: rank 0's are taken
     stepper.reset()
     try:
         rows = stepper.prefill(list(range(len(requests))), requests)
         while batch.busy:
             chosen = [0 if row.finished else policy.choose(row.slot) for row in rows]
+            if agree:
+                chosen = shard.agree(chosen)
             if chosen != gammas:
                 gammas = chosen
                 batch.gamma[: len(gammas)] = torch.tensor(gammas)

@@ -84,3 +84,50 @@ def test_tp2_rounds_differently_from_tp1(runs):
     a, b = torch.tensor(single["logits"]), torch.tensor(rank0["logits"])
     assert not torch.equal(a, b)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def specdec(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+
+
+@pytest.fixture(scope="module")
+def worded(tmp_path_factory) -> Path:
+    from conftest import tiny_folder_with_tokenizer
+
+    return tiny_folder_with_tokenizer(tmp_path_factory.mktemp("tp-cli"))
+
+
+def test_generate_tp2_launches_its_ranks_and_matches_tp1(worded, tmp_path):
+    args = ["generate", "the cat sat on the mat", "--model", str(worded), "--max-new-tokens", "12", "--drafter", "suffix",
+            "--raw", "--check-lossless", "--json"]
+    two, one = specdec(*args, "--tp", "2", cwd=tmp_path), specdec(*args, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = json.loads(two.stdout.strip().splitlines()[-1]), json.loads(one.stdout.strip().splitlines()[-1])
+    assert two.stdout.count('"token_ids"') == 1  # only rank 0 printed
+    assert (a["tp"], b["tp"], a["lossless"]) == (2, 1, True)
+    assert a["token_ids"] == b["token_ids"]
+
+
+def test_bench_tp2_with_the_cost_policy(worded, tmp_path):
+    """The cost policy times steps, which differ per rank: rank 0's gamma choices are broadcast, or the ranks
+    would verify blocks of different sizes and their collectives would hang."""
+    done = specdec("bench", "--model", str(worded), "--limit", "2", "--drafters", "ngram", "--gammas", "2",
+                   "--policies", "cost", "--peers", "hf", "--max-new-tokens", "12", "--tp", "2", "--out", str(tmp_path / "b"),
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert results["environment"]["tp"] == 2
+    assert any(n.startswith("hf: skipped") for n in results["notes"])
+    assert all(m["lossless"] for m in results["methods"])
+
+
+def test_tp_errors_are_one_line(worded, tmp_path):
+    heads = specdec("generate", "hi", "--model", str(worded), "--tp", "3", cwd=tmp_path)  # 4 heads, 2 KV heads
+    assert heads.returncode == 2 and heads.stderr.strip().splitlines() == [
+        "specdec: error: tensor parallelism over 3 ranks needs the attention heads divisible by 3, got 4"]
+    zero = specdec("generate", "hi", "--model", str(worded), "--tp", "0", cwd=tmp_path)
+    assert zero.returncode == 2 and zero.stderr.strip() == "specdec: error: --tp must be >= 1, got 0"

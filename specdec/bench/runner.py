@@ -45,6 +45,7 @@ from specdec.models import load_model
 from specdec.models import cpu_gemm
 from specdec.models.kernels import kernel_path
 from specdec.models.loading import DEFAULT_MODEL, hf_folder, resolve_gguf
+from specdec.models.tensor_parallel import join_group
 from specdec.metrics import mean_accepted_length
 
 PLAIN = "specdec/none"
@@ -75,6 +76,7 @@ class BenchConfig:
     policies: tuple[str, ...] = ()  # adaptive-gamma policies, each added per drafter as specdec/<d>/auto-<policy>
     gamma_max: int = 8
     confidence_threshold: float = 0.4
+    tp: int = 1  # tensor-parallel ranks of the target (run under torchrun, or `specdec bench --tp N`)
 
     def __post_init__(self) -> None:
         if not self.gammas or min(self.gammas) < 1:
@@ -141,6 +143,9 @@ def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method
     notes = []
     pld = config.pld_gammas or config.gammas
     for peer in config.peers:
+        if config.tp > 1:  # every rank runs the bench; a peer would load its own whole model, or query a server, per rank
+            notes.append(f"{peer}: skipped (tensor-parallel run; bench peers in a run without --tp)")
+            continue
         if is_openai_peer(peer):
             methods.append(Method(parse_openai_peer(peer).label, OPENAI, endpoint=peer))
             continue
@@ -165,7 +170,9 @@ class Runner:
         self.config = config
         # servers first: an unreachable URL fails before a model loads
         self.openai = {m.name: OpenAIPeer(m.endpoint) for m in methods if m.family == OPENAI}
-        self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels, gguf=config.gguf)
+        self.shard = join_group(config.tp, config.device)
+        self.target = load_model(config.model, dtype=config.dtype, device=config.device, kernels=config.kernels, gguf=config.gguf,
+                                 shard=self.shard)
         if self.target.tokenizer is None:
             raise UserError(f"{config.model} has no tokenizer: bench needs one to encode its prompts")
         p = next(self.target.parameters())
@@ -472,6 +479,7 @@ def environment(runner: Runner) -> dict:
         "model": runner.config.model,
         "model_folder": runner.target.name,
         "kernels": kernel_path(runner.target).to_dict(),
+        "tp": runner.shard.world,
         "cpu_kernel": cpu_gemm.build_status(),
     }
     if runner.device.type == "cuda":

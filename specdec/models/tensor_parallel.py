@@ -30,7 +30,9 @@ reads torchrun's environment and opens an NCCL group on CUDA, gloo on the CPU.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -151,6 +153,7 @@ def shard_state(state: dict[str, Tensor], config, shard: Shard) -> dict[str, Ten
     return out
 
 
+@cache
 def join_group(tp: int, device: str) -> Shard:
     """Join the group torchrun started (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR in the environment):
     NCCL on CUDA (each rank on GPU LOCAL_RANK), gloo on the CPU. tp = 1 outside torchrun: no group."""
@@ -175,3 +178,16 @@ def join_group(tp: int, device: str) -> Shard:
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def finish_ranks(shard: Shard) -> None:
+    """End a tensor-parallel run: every rank waits for the others; CUDA ranks then exit at once (NCCL's
+    teardown of communicators that CUDA graphs captured hung a run on an H200), CPU ranks leave the group."""
+    if not shard.parallel:
+        return
+    dist.barrier(group=shard.host_group)
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    leave_group()

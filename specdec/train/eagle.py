@@ -25,8 +25,9 @@ coverage of those argmaxes (the ceiling of top-1), and the loss. Written to --ou
 and features-<source>.safetensors (reusable with --features).
 
 Reference layout (`export_reference` / `import_reference`): the folder SafeAILab/EAGLE (EAGLE-1/2,
-`eagle/model/cnets1.py`, `use_eagle3=False`) and vLLM (`EagleLlamaForCausalLM`, speculative method
-"eagle") load: config.json, a Llama config with num_hidden_layers 1, "bias" (EAGLE's fc-bias flag)
+`eagle/model/cnets1.py`, `use_eagle3=False`) loads. (vLLM and SGLang read every *.safetensors file of a
+folder, and this layout's draft_vocab.safetensors would stop vLLM's loader: `specdec export eagle
+--layout vllm|sglang` writes theirs, specdec/interop/.) config.json, a Llama config with num_hidden_layers 1, "bias" (EAGLE's fc-bias flag)
 and architectures ["LlamaForCausalLM"] (vLLM prefixes "Eagle"); model.safetensors (float16) with
     specdec name                          reference name
     fc.weight [D, 2D]                     fc.weight   (columns: [embedding(t+1) | feature(t)], as both)
