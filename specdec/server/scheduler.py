@@ -165,19 +165,89 @@ def bucket_for(slots: int, max_batch: int) -> int:
     return min(next(b for b in BUCKETS if b >= slots) if slots <= BUCKETS[-1] else slots, max_batch)
 
 
+class BatchOps:
+    """Every change the scheduler makes to the batch and its device state, in one place: what a
+    tensor-parallel follower replays of rank 0's decisions (mirror.py). The steppers are views of one
+    batch: one per bucket of slots."""
+
+    def __init__(self, target, drafter: Drafter, max_batch: int, max_len: int, decode: Callable[[list[int]], str]) -> None:
+        self.full = new_stepper(target, drafter, max_batch, max_len, list(eos_ids(target)), decode)
+        self.batch = self.full.batch
+        self.steppers: dict[int, Stepper] = {max_batch: self.full}
+        self.prefill: Prefill | None = None  # the group whose prompts are being read
+
+    def stepper(self, n: int) -> Stepper:
+        """The stepper over the first n slots (n a bucket)."""
+        if n not in self.steppers:
+            full = self.full
+            self.steppers[n] = Stepper(full.target, full.drafter, full.batch.head(n), full.cache.head(n), full.graphs,
+                                       full.decode)
+        return self.steppers[n]
+
+    def start_prefill(self, slots: list[int], requests: list[Request], chunk: int) -> Prefill:
+        self.prefill = self.full.start_prefill(slots, requests, chunk)
+        return self.prefill
+
+    def prefill_chunk(self) -> list[Row]:
+        rows = self.full.prefill_chunk(self.prefill)
+        if self.prefill.finished:
+            self.prefill = None
+        return rows
+
+    def end_prefill(self) -> None:
+        self.prefill = None
+
+    def release(self, slot: int) -> None:
+        if slot in self.batch.rows:
+            self.batch.release(slot)
+
+    def launch(self, n: int, gamma: int, quiet: list[int]) -> None:
+        """Launch a step of the first n slots at `gamma`; the `quiet` slots draft nothing."""
+        self.batch.gamma.fill_(gamma)
+        if quiet:
+            self.batch.gamma[quiet] = 0
+        self.stepper(n).launch(gamma)
+
+    def read(self, n: int) -> StepReport:
+        return self.stepper(n).read()
+
+    def forget(self, n: int) -> None:
+        """Drop the steps launched on the first n slots unread."""
+        self.stepper(n).in_flight.clear()
+
+    def step_alone(self, n: int, slot: int, gamma: int) -> StepReport:
+        """The step with only `slot` active (eagerly), the other rows' activity restored after."""
+        active = self.batch.active.clone()
+        alone = torch.zeros_like(active)
+        alone[slot] = active[slot]
+        self.batch.active.copy_(alone)
+        stepper = self.stepper(n)
+        try:
+            stepper.launch(gamma, eager=True)
+            return stepper.read()
+        except Exception:
+            stepper.in_flight.clear()
+            raise
+        finally:
+            active[slot] = self.batch.active[slot]
+            self.batch.active.copy_(active)
+
+    def reset(self) -> None:
+        self.prefill = None
+        self.full.reset()
+
+
 class Scheduler:
     def __init__(self, target, drafter: Drafter, codec: Codec, policy: SpecPolicy, config: SchedulerConfig,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, ops: Callable[..., BatchOps] = BatchOps) -> None:
+        """ops: what builds the BatchOps (mirror.MirroredOps under tensor parallelism)."""
         self.target, self.drafter, self.codec, self.policy, self.config = target, drafter, codec, policy, config
         self.metrics = metrics or ServerMetrics()
         # the widest draft block beyond the context fits every row
         width = drafter.shape(policy.gamma).width
-        self.full = new_stepper(target, drafter, config.max_batch, config.context + width + 2,
-                                list(eos_ids(target)), codec.decode)
-        self.batch = self.full.batch
-        self.steppers: dict[int, Stepper] = {config.max_batch: self.full}
+        self.ops = ops(target, drafter, config.max_batch, config.context + width + 2, codec.decode)
+        self.full, self.batch = self.ops.full, self.ops.batch
         self.running: dict[int, Serving] = {}  # slot -> request
-        self.prefill: Prefill | None = None  # the group whose prompts are being read
         self.joining: dict[int, GenerationRequest] = {}  # slot -> request of the group, until its prompt is read
         self.waiting: deque[GenerationRequest] = deque()
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
@@ -255,9 +325,8 @@ class Scheduler:
         self.hand_over()
         self.running.clear()
         self.joining.clear()
-        self.prefill = None
         self.waiting.clear()
-        self.full.reset()
+        self.ops.reset()
 
     # ---- the decode thread --------------------------------------------------------------------
 
@@ -270,10 +339,10 @@ class Scheduler:
         With CUDA graphs and nothing joining, a step is launched before the last one is read (`step`)."""
         try:
             self.drop_cancelled()
-            if self.waiting or self.prefill is not None:
+            if self.waiting or self.ops.prefill is not None:
                 self.drain()  # rows are about to join: every launched step is read first
             self.admit()
-            if self.prefill is not None:
+            if self.ops.prefill is not None:
                 self.read_chunk()
                 self.hand_over()  # first tokens go out before the step
             if self.running:
@@ -307,7 +376,7 @@ class Scheduler:
 
     def admit(self) -> None:
         """Start a prefill group of waiting requests in free slots, unless one is being read."""
-        if self.prefill is not None:
+        if self.ops.prefill is not None:
             return
         free = self.batch.free_slots()
         with self.cond:
@@ -318,7 +387,7 @@ class Scheduler:
         slots, requests = list(self.joining), [Request(r.prompt_ids, r.max_tokens, r.sampling, r.stop)
                                                for r in self.joining.values()]
         try:
-            self.prefill = self.full.start_prefill(slots, requests, self.config.prefill_chunk)
+            self.ops.start_prefill(slots, requests, self.config.prefill_chunk)
         except Exception as e:
             log.exception("prefill failed")
             self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
@@ -326,13 +395,11 @@ class Scheduler:
     def read_chunk(self) -> None:
         """Read one chunk of the group's prompts; the rows whose prompt it ends start running."""
         try:
-            rows = self.full.prefill_chunk(self.prefill)
+            rows = self.ops.prefill_chunk()
         except Exception as e:
             log.exception("prefill failed")
             self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
             return
-        if self.prefill.finished:
-            self.prefill = None
         now = time.monotonic()
         for row in rows:
             request = self.joining.pop(row.slot)
@@ -344,11 +411,10 @@ class Scheduler:
     def fail_joining(self, message: str) -> None:
         """Fail the requests of the prefill group whose prompt is not read yet, and free their slots."""
         for slot, request in self.joining.items():
-            if slot in self.batch.rows:
-                self.batch.release(slot)
+            self.ops.release(slot)
             self.finish_with_error(request, message)
         self.joining.clear()
-        self.prefill = None
+        self.ops.end_prefill()
         with self.cond:
             self.cond.notify_all()
 
@@ -361,29 +427,26 @@ class Scheduler:
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
         gamma = self.policy.choose([self.running[s].acceptance for s in drafting]) if drafting else 0
-        self.batch.gamma.fill_(gamma)
-        if len(drafting) < len(slots):
-            self.batch.gamma[[s for s in slots if not self.running[s].request.speculate]] = 0
-        stepper = self.stepper_for(slots[-1] + 1)
-        if self.launched and self.launched[0].stepper is not stepper:
+        n = bucket_for(slots[-1] + 1, self.config.max_batch)
+        if self.launched and self.launched[0].n != n:
             self.drain()
         try:
-            stepper.launch(gamma)
-            self.launched.append(Launch(stepper, len(slots), gamma, time.perf_counter()))
-            keep = 1 if stepper.pipelined and not self.waiting and self.prefill is None else 0
+            self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
+            self.launched.append(Launch(n, len(slots), gamma, time.perf_counter()))
+            keep = 1 if self.ops.stepper(n).pipelined and not self.waiting and self.ops.prefill is None else 0
             while len(self.launched) > keep:
                 self.read_oldest()
         except Exception:
             log.exception("batched step failed; retrying row by row")
             self.forget_launched()
             slots = sorted(self.running)
-            self.absorb_reports(self.step_rows_alone(stepper, slots, gamma), gamma)
+            self.absorb_reports(self.step_rows_alone(n, slots, gamma), gamma)
             self.remove_finished()
 
     def read_oldest(self) -> None:
         """Read the oldest launched step and hand its tokens out."""
         launch = self.launched.popleft()
-        report = launch.stepper.read()
+        report = self.ops.read(launch.n)
         now = time.perf_counter()
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
             self.policy.observe_step_time(launch.rows, launch.gamma, now - max(launch.start, self.last_read))
@@ -397,8 +460,8 @@ class Scheduler:
 
     def forget_launched(self) -> None:
         """Drop every launched step unread (after a failure; the rows are retried or failed)."""
-        for launch in self.launched:
-            launch.stepper.in_flight.clear()
+        for n in {launch.n for launch in self.launched}:
+            self.ops.forget(n)
         self.launched.clear()
 
     def absorb_reports(self, reports: list[StepReport], gamma: int) -> None:
@@ -416,32 +479,14 @@ class Scheduler:
                 serving.acceptance.observe(budget, rs.accepted)
                 self.emit(serving, rs.new)
 
-    def stepper_for(self, slots: int) -> Stepper:
-        """The stepper over the first bucket_for(slots) slots (views of the full batch)."""
-        n = bucket_for(slots, self.config.max_batch)
-        if n not in self.steppers:
-            full = self.full
-            self.steppers[n] = Stepper(self.target, self.drafter, full.batch.head(n), full.cache.head(n), full.graphs,
-                                       full.decode)
-        return self.steppers[n]
-
-    def step_rows_alone(self, stepper: Stepper, slots: list[int], gamma: int) -> list[StepReport]:
+    def step_rows_alone(self, n: int, slots: list[int], gamma: int) -> list[StepReport]:
         """The step once per row with only that row active (eagerly); rows whose step raises fail."""
-        active = self.batch.active.clone()
         reports = []
         for slot in slots:
-            alone = torch.zeros_like(active)
-            alone[slot] = active[slot]
-            self.batch.active.copy_(alone)
             try:
-                stepper.launch(gamma, eager=True)
-                reports.append(stepper.read())
+                reports.append(self.ops.step_alone(n, slot, gamma))
             except Exception as e:
-                stepper.in_flight.clear()
                 self.fail(slot, f"decode step failed: {type(e).__name__}: {e}")
-            active[slot] = self.batch.active[slot]
-        self.batch.active.copy_(active & torch.tensor([s in self.running for s in range(self.batch.capacity)],
-                                                      device=active.device))
         return reports
 
     def emit(self, serving: Serving, new: list[int]) -> None:
@@ -503,7 +548,7 @@ class Scheduler:
 
     def leave(self, slot: int) -> None:
         """Free a row's slot: it drafts and emits nothing from the next step on."""
-        self.batch.release(slot)
+        self.ops.release(slot)
         del self.running[slot]
         with self.cond:
             self.cond.notify_all()
@@ -512,7 +557,7 @@ class Scheduler:
 @dataclass
 class Launch:
     """A step launched and not read yet."""
-    stepper: Stepper
+    n: int  # its stepper's slots (a bucket)
     rows: int
     gamma: int
     start: float
