@@ -317,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         tp = getattr(args, "tp", 1)
         if tp < 1:
             raise UserError(f"--tp must be >= 1, got {tp}")
-        if tp > 1 and "WORLD_SIZE" not in os.environ:
+        if tp > 1 and args.command in RANKED and "WORLD_SIZE" not in os.environ:
             return launch_ranks(tp, sys.argv[1:] if argv is None else argv, args)
-        if tp > 1:
+        if tp > 1 and args.command in RANKED:
             return run_rank(args)
         set_threads(args.threads)
         if args.command == "generate":
@@ -368,14 +368,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+RANKED = ("generate", "bench", "serve")  # commands that run as one process per tensor-parallel rank
+
+
+class Stopped(Exception):
+    """The launcher was told to stop (SIGTERM)."""
+
+
+def raise_stopped(signum, frame) -> None:
+    raise Stopped
+
+
 def launch_ranks(tp: int, argv: list[str], args: argparse.Namespace) -> int:
     """Run this same command in `tp` processes, one per rank, with the environment torchrun would give them
-    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 speaks, the others' errors are reported.
-    The first rank to fail stops the others."""
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 speaks, another rank's error is shown
+    by its last line. The first rank to fail stops the others; stopping the launcher stops them all."""
+    import signal
     import socket
     import subprocess
     import tempfile
-    import time
 
     if args.command == "generate" and args.prompt in (None, "-"):
         raise UserError("with --tp give the prompt as an argument (stdin reaches only one process)")
@@ -387,47 +398,77 @@ def launch_ranks(tp: int, argv: list[str], args: argparse.Namespace) -> int:
     logs = [None] + [tempfile.TemporaryFile("w+") for _ in range(1, tp)]
     ranks = [subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=logs[r]) for r in range(tp)]
+    signal.signal(signal.SIGTERM, raise_stopped)
     try:
-        while True:
-            codes = [p.poll() for p in ranks]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
-                break
-            time.sleep(0.05)
-        if failed:  # rank 0 usually meets the same error: give it a moment to say it itself
-            try:
-                if ranks[0].wait(timeout=3):
-                    failed, codes[0] = 0, ranks[0].returncode
-            except subprocess.TimeoutExpired:
-                pass
+        failed = wait_ranks(ranks)
+    except Stopped:
+        failed = None
     finally:
-        for p in ranks:
+        stop_ranks(ranks)
+    if failed is None or failed == 0:
+        return exit_code(ranks[0])
+    logs[failed].seek(0)
+    lines = [line for line in logs[failed].read().splitlines() if line.strip()]
+    print(f"specdec: error: rank {failed} of {tp} failed: {lines[-1] if lines else f'exit code {ranks[failed].returncode}'}",
+          file=sys.stderr)
+    return exit_code(ranks[failed])
+
+
+def exit_code(process) -> int:
+    """A process's exit status as a shell reports it (128 + N for a signal N)."""
+    return 128 - process.returncode if process.returncode < 0 else process.returncode
+
+
+def wait_ranks(ranks: list) -> int | None:
+    """Wait until every rank succeeded (None) or one failed: its rank, 0 when rank 0 failed too (it usually
+    meets the same error, and says it itself)."""
+    import subprocess
+    import time
+
+    while True:
+        codes = [p.poll() for p in ranks]
+        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is None and all(c == 0 for c in codes):
+            return None
+        if failed is not None:
+            try:
+                return 0 if ranks[0].wait(timeout=3) else failed
+            except subprocess.TimeoutExpired:
+                return failed
+        time.sleep(0.05)
+
+
+def stop_ranks(ranks: list) -> None:
+    """Stop the ranks still running, rank 0 first: a server drains and releases its followers, which then end."""
+    import subprocess
+
+    for group in (ranks[:1], ranks[1:]):
+        for p in group:
             if p.poll() is None:
                 p.terminate()
-        for p in ranks:
-            p.wait()
-    if failed is None:
-        return 0
-    if failed > 0:
-        logs[failed].seek(0)
-        lines = [line for line in logs[failed].read().splitlines() if line.strip()]
-        print(f"specdec: error: rank {failed} of {tp} failed: {lines[-1] if lines else f'exit code {codes[failed]}'}",
-              file=sys.stderr)
-    return codes[failed]
+        for p in group:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank of a tensor-parallel `generate` or `bench` (launched by launch_ranks or torchrun)."""
+    """One rank of a tensor-parallel `generate`, `bench` or `serve` (launched by launch_ranks or torchrun)."""
     from specdec.models.tensor_parallel import finish_ranks, join_group
 
-    if args.command not in ("generate", "bench"):
-        raise UserError(f"--tp runs `generate` and `bench`; `{args.command}` does not run tensor-parallel")
     shard = join_group(args.tp, args.device)
     if shard.rank > 0:  # every rank computes the same tokens: rank 0 speaks for them (errors still go to stderr)
         sys.stdout = open(os.devnull, "w")
     set_threads(args.threads)
-    code = run_generate(args) if args.command == "generate" else run_bench_cmd(args)
-    finish_ranks(shard)
+    if args.command == "serve":
+        from specdec.server.cli import run_serve
+
+        code = run_serve(args)
+    else:
+        code = run_generate(args) if args.command == "generate" else run_bench_cmd(args)
+    finish_ranks(shard, wait=args.command != "serve")  # a server's ranks end when rank 0 releases them
     return code
 
 

@@ -131,3 +131,63 @@ def test_tp_errors_are_one_line(worded, tmp_path):
         "specdec: error: tensor parallelism over 3 ranks needs the attention heads divisible by 3, got 4"]
     zero = specdec("generate", "hi", "--model", str(worded), "--tp", "0", cwd=tmp_path)
     assert zero.returncode == 2 and zero.stderr.strip() == "specdec: error: --tp must be >= 1, got 0"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def serve_answers(model: Path, tp: int, cwd: Path, bodies: list[dict]) -> list[str]:
+    """Start `specdec serve` (tp ranks), send `bodies` to /v1/completions concurrently, stop it: the texts."""
+    import signal
+    import time
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("uvicorn")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(model), "--port", str(port),
+                               "--drafter", "suffix", "--spec-policy", "on", "--max-batch", "4", "--tp", str(tp),
+                               "--log-level", "warning"],
+                              cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-2000:] if server.poll() else "no answer"
+                time.sleep(0.3)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda body: post(url, {"model": str(model), **body}), bodies))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+    assert server.returncode in (0, 143, -15), server.stderr.read()[-2000:]  # uvicorn re-raises the SIGTERM it drained on
+    return [a["choices"][0]["text"] for a in answers]
+
+
+def test_serve_tp2_answers_concurrent_requests_as_tp1(worded, tmp_path):
+    """Rank 0 serves and the follower replays its batch operations: concurrent greedy and seeded requests
+    (rows joining and leaving a shared batch) come out as from a one-process server. A fixed gamma (policy
+    `on`): a seeded row's text depends on its gamma schedule, which the cost policy picks from step times."""
+    bodies = [{"prompt": "the cat sat on the mat", "max_tokens": 20, "temperature": 0},
+              {"prompt": "the mat", "max_tokens": 12, "temperature": 0},
+              {"prompt": "cat cat sat", "max_tokens": 16, "temperature": 1.0, "seed": 3},
+              {"prompt": "on the", "max_tokens": 24, "temperature": 0}]
+    assert serve_answers(worded, 2, tmp_path, bodies) == serve_answers(worded, 1, tmp_path, bodies)

@@ -180,13 +180,18 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def finish_ranks(shard: Shard) -> None:
-    """End a tensor-parallel run: every rank waits for the others; CUDA ranks then exit at once (NCCL's
-    teardown of communicators that CUDA graphs captured hung a run on an H200), CPU ranks leave the group."""
+def finish_ranks(shard: Shard, wait: bool = True) -> None:
+    """End a tensor-parallel run: each rank finishes its device work and (wait) waits for the others; CUDA
+    ranks then exit at once (NCCL's teardown of communicators that CUDA graphs captured hung a run on an
+    H200), CPU ranks leave the group."""
     if not shard.parallel:
         return
-    dist.barrier(group=shard.host_group)
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    cuda = dist.get_backend() == "nccl"
+    if cuda:
+        torch.cuda.synchronize()
+    if wait:
+        dist.barrier(group=shard.host_group)
+    if cuda:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from specdec.errors import UserError
@@ -14,7 +15,7 @@ SERVE_EXTRA = "pip install 'specdec[serve]'"
 
 
 def add_server_commands(sub) -> None:
-    from specdec.cli import add_config_arg, add_model_args, csv
+    from specdec.cli import add_config_arg, add_model_args, add_tp_arg, csv
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and load-aware speculation")
     add_model_args(s)
@@ -36,6 +37,7 @@ def add_server_commands(sub) -> None:
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
     s.add_argument("--log-level", default="info", help="uvicorn log level")
+    add_tp_arg(s)
 
     b = sub.add_parser("bench-serve", help="load-test the server: throughput and latency per policy and concurrency")
     add_model_args(b)
@@ -60,6 +62,7 @@ def add_server_commands(sub) -> None:
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
+    add_tp_arg(b)
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -102,9 +105,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.models.llama import LlamaModel
     from specdec.server.app import AppSettings, create_app
     from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
-    from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
+    from specdec.models.tensor_parallel import join_group
+    from specdec.server.mirror import MirroredOps, follow
+    from specdec.server.scheduler import BatchOps, Codec, Scheduler, SchedulerConfig
 
-    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
+    shard = join_group(args.tp, args.device)
+    target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, shard=shard)
     if not isinstance(target, LlamaModel):
         raise UserError(f"{args.model}: the server batches the native Llama-family implementation only")
     if target.tokenizer is None:
@@ -122,18 +128,23 @@ def run_serve(args: argparse.Namespace) -> int:
     drafter = build_drafter(args.drafter, target, options)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
                              prefill_chunk=args.prefill_chunk)
-    scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config)
+    ops = partial(MirroredOps, shard) if shard.parallel else BatchOps  # under TP, rank 0 decides, the others follow
+    scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config, ops=ops)
+    if shard.rank > 0:
+        follow(scheduler.ops, shard)
+        return 0
     device = describe_device(target)
     settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            admin=args.enable_admin, costs=costs)
     print(f"specdec: serving {settings.model_name} on http://{args.host}:{args.port}/v1 ({device}; drafter {args.drafter}, "
           f"gamma {args.gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}"
+          f"{f', tensor-parallel over {shard.world} ranks' if shard.parallel else ''}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=args.host, port=args.port,
                                            log_level=args.log_level, access_log=False,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run()
+    server.run()  # its shutdown stops the scheduler, which releases the followers
     return 0
 
 
@@ -193,7 +204,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
                        "--prefill-chunk", str(args.prefill_chunk),
-                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning"]
+                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning", "--tp", str(args.tp)]
         if args.threads:
             server_args += ["--threads", str(args.threads)]
         print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)

@@ -236,6 +236,9 @@ class BatchOps:
         self.prefill = None
         self.full.reset()
 
+    def close(self) -> None:
+        """The scheduler has stopped (mirror.MirroredOps releases its followers here)."""
+
 
 class Scheduler:
     def __init__(self, target, drafter: Drafter, codec: Codec, policy: SpecPolicy, config: SchedulerConfig,
@@ -327,6 +330,7 @@ class Scheduler:
         self.joining.clear()
         self.waiting.clear()
         self.ops.reset()
+        self.ops.close()
 
     # ---- the decode thread --------------------------------------------------------------------
 
