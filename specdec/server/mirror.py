@@ -45,11 +45,11 @@ class MirroredOps(BatchOps):
 
 def mirrored(name: str):
     def call(self: MirroredOps, *args):
-        self.send(name, args)
         try:
+            self.send(name, args)
             return getattr(BatchOps, name)(self, *args)
-        except Exception:
-            log.exception(f"tensor-parallel {name} failed: the ranks cannot retry it apart; stopping the server")
+        except Exception:  # a follower gone, or the call itself failed
+            log.exception(f"tensor-parallel {name} failed: the ranks cannot go on apart; stopping the server")
             os._exit(1)
 
     call.__name__ = name
