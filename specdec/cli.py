@@ -399,18 +399,21 @@ def launch_ranks(tp: int, argv: list[str], args: argparse.Namespace) -> int:
     ranks = [subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=logs[r]) for r in range(tp)]
     signal.signal(signal.SIGTERM, raise_stopped)
+    ended: list[int | None] = [None] * tp
     try:
-        failed = wait_ranks(ranks)
+        wait_ranks(ranks)
     except Stopped:
-        failed = None
+        pass
     finally:
+        ended = [p.poll() for p in ranks]  # before stop_ranks ends the others
         stop_ranks(ranks)
-    if failed is None or failed == 0:
-        return exit_code(ranks[0])
-    logs[failed].seek(0)
-    lines = [line for line in logs[failed].read().splitlines() if line.strip()]
-    print(f"specdec: error: rank {failed} of {tp} failed: {lines[-1] if lines else f'exit code {ranks[failed].returncode}'}",
-          file=sys.stderr)
+    for r in range(1, tp):  # a user error (exit 2) every rank meets is said once, by rank 0
+        if ended[r] not in (None, 0) and ended[0] != 2:
+            logs[r].seek(0)
+            lines = [line for line in logs[r].read().splitlines() if line.strip()]
+            print(f"specdec: error: rank {r} of {tp} failed: {lines[-1] if lines else f'exit code {ended[r]}'}",
+                  file=sys.stderr)
+    failed = next((r for r, code in enumerate(ended) if code not in (None, 0)), 0)
     return exit_code(ranks[failed])
 
 
@@ -419,22 +422,22 @@ def exit_code(process) -> int:
     return 128 - process.returncode if process.returncode < 0 else process.returncode
 
 
-def wait_ranks(ranks: list) -> int | None:
-    """Wait until every rank succeeded (None) or one failed: its rank, 0 when rank 0 failed too (it usually
-    meets the same error, and says it itself)."""
+def wait_ranks(ranks: list) -> None:
+    """Wait until every rank succeeded or one failed (then a moment longer for rank 0, which usually meets
+    the same error and says it itself)."""
     import subprocess
     import time
 
     while True:
         codes = [p.poll() for p in ranks]
-        failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-        if failed is None and all(c == 0 for c in codes):
-            return None
-        if failed is not None:
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
             try:
-                return 0 if ranks[0].wait(timeout=3) else failed
+                ranks[0].wait(timeout=3)
             except subprocess.TimeoutExpired:
-                return failed
+                pass
+            return
         time.sleep(0.05)
 
 
