@@ -331,6 +331,30 @@ def test_rms_norm_rows_are_invariant_and_right(dtype):
     assert relative_error(normed.sq, part_squares(x)) < 1e-5
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_add_partials_sums_in_rank_order_per_row(dtype, ranks):
+    """Tensor parallelism's sum of the ranks' float32 partial products (tensor_parallel.py): h = residual +
+    parts[0] + ... + parts[N-1] in that order, rounded once, and the next norm's input from h, bitwise the
+    same for a row alone as among any number of rows."""
+    M, D = max(ROWS), 576
+    parts = randn(ranks, M, D, seed=31)  # float32
+    residual, w = randn(M, D, dtype=dtype, seed=32), randn(D, dtype=dtype, seed=33, scale=0.2) + 1
+    h, normed = ops().add_partials(parts, residual, (w, 1e-6))
+    expected = residual.float()
+    for r in range(ranks):
+        expected = expected + parts[r]
+    assert torch.equal(h, expected.to(dtype))
+    assert torch.equal(normed.x, (h.float() * w.float()).to(dtype))
+    assert relative_error(normed.sq, part_squares(h)) < 1e-5
+    for rows in ROWS:
+        again, again_normed = ops().add_partials(parts[:, :rows].contiguous(), residual[:rows].contiguous(), (w, 1e-6))
+        assert torch.equal(again, h[:rows]) and torch.equal(again_normed.sq, normed.sq[:rows])
+    last, same = ops().add_partials(parts, residual, (None, 0.0))  # the last layer: no norm follows
+    assert torch.equal(last, h) and same is last
+
+
 # ----------------------------------------------------------------------------------------- model level
 
 PROMPT = 20
