@@ -17,11 +17,11 @@ would stop being lossless. The ranks therefore *gather* their float32 partials a
 order, residual first: every element's sum has one order for any number of tokens, rows or ranks'
 message sizes, and every rank computes the same bits. So everything the step does after a forward
 (verification, sampling with counter-based random numbers, the drafters) is bitwise the same on every
-rank, and no rank needs to send the others its decisions. (Between N = 1 and N = 2 the sums differ in
-order, so their logits differ by rounding: equal greedy tokens there is expected, not guaranteed.)
+rank, and no rank needs to send the others the step's outcome. (Between N = 1 and N = 2 the sums differ
+in order, so their logits differ by rounding: equal greedy tokens there is expected, not guaranteed.)
 
-Host decisions that depend on time (the `cost` gamma policy) are not the same on every rank: those are
-taken on rank 0 and broadcast (`Shard.agree`).
+Host decisions that depend on time or on what only rank 0 sees are taken on rank 0 and sent: the `cost`
+gamma policy's choice (`Shard.agree`), and a server's every change to its batch (server/mirror.py).
 
 Launch with `torchrun --nproc-per-node N` (or `specdec ... --tp N`, which does it): `join_group`
 reads torchrun's environment and opens an NCCL group on CUDA, gloo on the CPU.
@@ -99,12 +99,12 @@ class Split:
         ALL_GATHER(out, y.contiguous(), group=self.shard.group)
         return out.view(self.shard.world, *y.shape)
 
-    def reduce(self, part: Tensor, residual: Tensor | None = None) -> Tensor:
-        """(residual +) the sum of every rank's `part`, in float32, added in rank order."""
+    def reduce(self, part: Tensor) -> Tensor:
+        """The sum of every rank's `part`, in float32, added in rank order."""
         parts = self.gather_ranks(part)  # [N, ...]
-        total = residual.float() if residual is not None else None
-        for p in parts:
-            total = p.float() if total is None else total + p.float()
+        total = parts[0].float()
+        for p in parts[1:]:
+            total = total + p.float()
         return total
 
     def gather(self, y: Tensor) -> Tensor:
