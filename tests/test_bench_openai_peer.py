@@ -289,15 +289,14 @@ def test_the_server_peer_equals_specdec_plain_decoding(results):
     port = results["config"]["peers"][0].rpartition(":")[2]
     peer = by_name[f"openai:127.0.0.1:{port}"]
     assert peer["family"] == "openai" and peer["server"]["model"] == "tiny"
-    # specdec serve refuses logprobs and gives no token ids: the comparison is by text, and says so
-    assert peer["server"]["token_ids_from"] == "text" and peer["lossless_compared"] == "text"
+    # specdec serve returns the output's token ids on request (return_token_ids, as vLLM): compared as such
+    assert peer["server"]["token_ids_from"] == "return_token_ids" and peer["lossless_compared"] == "token ids"
     assert peer["lossless"] and peer["matches_plain"] == peer["num_outputs"] == 2
-    assert peer["num_tokens_match_plain"] == 2
     assert by_name["specdec/none"]["lossless_compared"] == "token ids"
     runs = [r for r in results["runs"] if r["method"] == peer["name"]]
     plain = {r["task_id"]: r for r in results["runs"] if r["method"] == "specdec/none"}
     for r in runs:
-        assert r["token_ids"] is None and r["text"] == plain[r["task_id"]]["text"]
+        assert r["token_ids"] == plain[r["task_id"]]["token_ids"] and r["text"] == plain[r["task_id"]]["text"]
         assert r["num_tokens"] == len(plain[r["task_id"]]["token_ids"]) and r["tokens_per_s"] > 0
 
 
@@ -313,7 +312,7 @@ def test_the_report_shows_the_server_and_its_figures(results, tmp_path):
     from specdec.bench.report import format_table, write_outputs
 
     table = format_table(results)
-    assert "2/2 (text)" in table and "server-reported spec decode over the bench's requests" in table
+    assert "2/2 " in table and "(text)" not in table and "server-reported spec decode over the bench's requests" in table
     write_outputs(results, tmp_path)
     report = (tmp_path / "report.md").read_text()
     assert "## OpenAI-compatible servers" in report and "mean accepted length" in report

@@ -149,6 +149,20 @@ def test_sampling_with_a_seed_repeats(server):
     assert first["usage"]["completion_tokens"] == 16
 
 
+def test_return_token_ids_gives_the_output_tokens(server, model):
+    """vLLM's extension: the non-streamed choice carries the output's token ids (plain greedy decoding's);
+    with stream it is refused (400), never silently dropped."""
+    url, _ = server
+    body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+    choice = post(url, "/v1/completions", body).json()["choices"][0]
+    ids = model.tokenizer(PROMPTS[3])["input_ids"]
+    expected = SpecEngine(model, "none").generate([ids], SpecConfig(max_new_tokens=20)).rows[0]
+    assert choice["token_ids"] == expected.token_ids and choice["text"] == expected.text
+    assert "token_ids" not in post(url, "/v1/completions", {**body, "return_token_ids": False}).json()["choices"][0]
+    streamed = post(url, "/v1/completions", {**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+
+
 def test_a_request_can_opt_out_of_speculation(server):
     url, _ = server
     body = {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}

@@ -18,8 +18,8 @@
   is the whole request, tokens `usage.completion_tokens`. Its output token ids come from the server when it
   gives them: `return_token_ids` (vLLM >= 0.10.2: `choices[0].token_ids`), else `logprobs: 1` with
   `return_tokens_as_token_ids` (older vLLM: "token_id:N" tokens; the server then also computes a
-  logprob per token). The first request probes these in that order; a server that gives neither (SGLang,
-  llama-server, `specdec serve`, which refuses logprobs) is compared by text: its text against specdec
+  logprob per token). The first request probes these in that order (`specdec serve` answers the first);
+  a server that gives neither (SGLang, llama-server) is compared by text: its text against specdec
   plain's decoded text, ignoring leading whitespace (detokenizers differ on the first token's space), and
   results.json says which comparison was made (`lossless_compared`). GET /metrics, read after the
   warm-up and after the last run, gives the server's own speculative-decoding counters

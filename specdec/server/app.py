@@ -87,6 +87,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=0)  # an extension, as in vLLM: 0 = off
     min_p: float | None = Field(None, ge=0, lt=1)  # an extension, as in vLLM: 0 = off
     speculate: bool = True  # an extension: false opts this request out of speculation (usage still counts)
+    return_token_ids: bool = False  # an extension, as in vLLM: the choice carries the output's `token_ids`
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # any 64-bit value; taken modulo 2**63
     stop: str | list[str] | None = None
     stream: bool = False
@@ -285,22 +286,26 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
     except ShuttingDown as e:
         raise ApiError(503, str(e), code="shutting_down") from e
     reply = Reply(chat, settings.model_name)
+    if body.stream and body.return_token_ids:
+        scheduler.cancel(job)
+        raise ApiError(400, "return_token_ids is supported without stream", "return_token_ids")
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(stream_events(events, reply, include_usage), on_close=lambda: scheduler.cancel(job))
     try:
-        texts, last = [], None
+        texts, token_ids, last = [], [], None
         while last is None or not last.final:
             waiting = await next_events(events, request)
             if waiting is None:  # the client went away
                 return error_response(499, "client closed the request")
             texts += [event.text for event in waiting]
+            token_ids += [t for event in waiting for t in event.token_ids]
             last = waiting[-1]
     finally:
         scheduler.cancel(job)  # a no-op once the request is done
     if last.error is not None:
         return error_response(500, last.error, code="generation_failed")
-    return reply.complete("".join(texts), last)
+    return reply.complete("".join(texts), last, token_ids if body.return_token_ids else None)
 
 
 class Outbox:
@@ -369,12 +374,14 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(self, text: str, last: Event) -> dict:
+    def complete(self, text: str, last: Event, token_ids: list[int] | None = None) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": last.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids  # the output's tokens (an EOS that ended it included)
         return {**self.envelope([choice], chunk=False), "usage": last.usage}
 
     def chunk(self, text: str | None, finish_reason: str | None, first: bool) -> dict:
