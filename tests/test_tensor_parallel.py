@@ -122,6 +122,7 @@ def test_bench_tp2_with_the_cost_policy(worded, tmp_path):
     results = json.loads((tmp_path / "b" / "results.json").read_text())
     assert results["environment"]["tp"] == 2
     assert any(n.startswith("hf: skipped") for n in results["notes"])
+    assert "tensor-parallel over 2 ranks" in done.stdout  # the table's header says so
     assert all(m["lossless"] for m in results["methods"])
 
 

@@ -71,10 +71,15 @@ def format_table(results: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     env = results["environment"]
-    where = env.get("gpu") or f"{env['processor']} ({env['cpu_threads']} threads)"
+    where = (env.get("gpu") or f"{env['processor']} ({env['cpu_threads']} threads)") + parallelism(env)
     lines.insert(0, f"{results['task']}: {results['num_prompts']} prompts, {env['device']} {env['dtype']}, {where}; "
                     f"medians over prompts; est. x = estimated speedup (formula)")
     return "\n".join(lines + [f"server: {x}" for x in server_lines(results)] + [f"note: {n}" for n in results["notes"]])
+
+
+def parallelism(env: dict) -> str:
+    """", tensor-parallel over N ranks" for a run whose target was sharded, else ""."""
+    return f", tensor-parallel over {env['tp']} ranks" if env.get("tp", 1) > 1 else ""
 
 
 def write_outputs(results: dict, out: Path) -> list[Path]:
@@ -270,7 +275,7 @@ def category_table(results: dict) -> str:
 
 def render_markdown(results: dict, plots: list[Path]) -> str:
     env, cfg, cal = results["environment"], results["config"], results["calibration"]
-    where = env.get("gpu") or f"{env['processor']}, {env['cpu_threads']} CPU threads"
+    where = (env.get("gpu") or f"{env['processor']}, {env['cpu_threads']} CPU threads") + parallelism(env)
     parts = [
         f"# specdec bench: {results['task']}",
         f"{results['num_prompts']} prompts, {cfg['max_new_tokens']} new tokens at most, "
