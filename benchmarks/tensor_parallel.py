@@ -91,43 +91,15 @@ def random_eagle(target, config: ModelConfig) -> EagleDrafter:
     return EagleDrafter(target, head, EagleTreeConfig(depth=GAMMA, total_tokens=GPU_TOTAL_TOKENS))
 
 
-def broadcast_ms(shard, nodes: int = GPU_TOTAL_TOKENS, repeats: int = 200) -> float:
-    """One graphed NCCL broadcast of an EAGLE proposal (tokens, parents, depths, int64 [1, nodes] each, and a
-    bool tree mask [1, nodes, nodes + 1]): what drafting on rank 0 alone would add to every step."""
-    buf = torch.zeros(3 * nodes * 8 + nodes * (nodes + 1), dtype=torch.uint8, device="cuda")
-    dist.broadcast(buf, src=0)  # warm the communicator outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(10):
-                dist.broadcast(buf, src=0)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats // 10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 10)
-    return statistics.median(samples)
-
-
-def all_gather_us(shard, D: int, repeats: int = 200) -> float:
-    """One graphed NCCL all-gather of a decode step's float32 partial [1, D]: the communication each row-parallel
-    layer adds."""
-    from specdec.models.tensor_parallel import Split
-
-    split = Split(shard, "rows", D)
-    part = torch.zeros(1, D, dtype=torch.float32, device="cuda")
-    split.gather_ranks(part)  # warm the communicator outside capture
+def graphed_us(op, repeats: int = 200) -> float:
+    """Median microseconds of one `op` (a collective) replayed from a CUDA graph of 10, timed with events;
+    the communicator is warmed outside the capture."""
+    op()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(10):
-            split.gather_ranks(part)
+            op()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(repeats // 10):
@@ -137,6 +109,22 @@ def all_gather_us(shard, D: int, repeats: int = 200) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end) / 10 * 1e3)
     return statistics.median(samples)
+
+
+def broadcast_us(nodes: int = GPU_TOTAL_TOKENS) -> float:
+    """One NCCL broadcast of an EAGLE proposal (tokens, parents, depths, int64 [1, nodes] each, and a bool tree
+    mask [1, nodes, nodes + 1]): what drafting on rank 0 alone would add to every step."""
+    buf = torch.zeros(3 * nodes * 8 + nodes * (nodes + 1), dtype=torch.uint8, device="cuda")
+    return graphed_us(lambda: dist.broadcast(buf, src=0))
+
+
+def all_gather_us(shard, D: int) -> float:
+    """One NCCL all-gather of a decode step's float32 partial [1, D]: the communication each row-parallel
+    layer adds."""
+    from specdec.models.tensor_parallel import Split
+
+    split, part = Split(shard, "rows", D), torch.zeros(1, D, dtype=torch.float32, device="cuda")
+    return graphed_us(lambda: split.gather_ranks(part))
 
 
 def skip_communication(shard) -> None:
@@ -219,8 +207,8 @@ def main() -> int:
                        f"({entry['step_cost_in_plain_steps']:.2f} plain steps); lossless {entry['lossless']}"
                        + (f"; ESTIMATED {entry['estimate']['estimated_speedup']:.2f}x at tau {pair[name]['tau']:.2f}" if name in pair else ""))
         if shard.parallel:
-            result["rank0_drafting_broadcast_ms"] = broadcast_ms(shard)
-            say(shard, f"drafting on rank 0 would add a {result['rank0_drafting_broadcast_ms'] * 1e3:.1f} us broadcast per step")
+            result["rank0_drafting_broadcast_us"] = broadcast_us()
+            say(shard, f"drafting on rank 0 would add a {result['rank0_drafting_broadcast_us']:.1f} us broadcast per step")
     if shard.rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -471,6 +471,13 @@ def prenorm_kernel(x_ptr, w_ptr, xn_ptr, sq_ptr, D, BLOCK_D: tl.constexpr, NORM_
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+    store_normed_row(x, w_ptr, xn_ptr, sq_ptr, row, D, offs, mask, BLOCK_D, NORM_PART)
+
+
+@triton.jit
+def store_normed_row(x, w_ptr, xn_ptr, sq_ptr, row, D, offs, mask, BLOCK_D: tl.constexpr, NORM_PART: tl.constexpr):
+    """Row `row` of NormedRows for rms_norm(x; w), x [BLOCK_D] fp32: xn = x ⊙ w rounded to xn's dtype, and
+    the sums of x² over every NORM_PART columns."""
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(xn_ptr + row * D + offs, (x * w).to(xn_ptr.dtype.element_ty), mask=mask)
     PARTS: tl.constexpr = BLOCK_D // NORM_PART
@@ -496,14 +503,7 @@ def add_partials_kernel(parts_ptr, res_ptr, h_ptr, w_ptr, xn_ptr, sq_ptr, M, D, 
     h = acc.to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + row * D + offs, h, mask=mask)
     if HAS_NORM:
-        x = h.to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(xn_ptr + row * D + offs, (x * w).to(xn_ptr.dtype.element_ty), mask=mask)
-        PARTS: tl.constexpr = BLOCK_D // NORM_PART
-        part_sq = tl.sum(tl.reshape(x * x, [PARTS, NORM_PART]), axis=1)  # [PARTS]
-        n_parts = tl.cdiv(D, NORM_PART)
-        part = tl.arange(0, PARTS)
-        tl.store(sq_ptr + row * n_parts + part, part_sq, mask=part < n_parts)
+        store_normed_row(h.to(tl.float32), w_ptr, xn_ptr, sq_ptr, row, D, offs, mask, BLOCK_D, NORM_PART)
 
 
 # ------------------------------------------------------------------------------------------ attention
