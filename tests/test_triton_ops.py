@@ -473,6 +473,27 @@ def test_graphed_forward_equals_eager(exact_model):
     assert torch.equal(out.logits, eager.logits) and torch.equal(out.hidden, eager.hidden)
 
 
+@pytest.mark.skipif(not ON_CUDA or torch.cuda.device_count() < 2, reason="needs CUDA and a second GPU")
+def test_a_model_on_another_gpu_runs_from_a_fresh_thread(tiny_folder):
+    """Triton launches on the current device; a model on cuda:1 driven from a thread that never chose one
+    (the server's decode thread) must still run there, with cuda:0's bits."""
+    import threading
+
+    if triton_problem() is not None:
+        pytest.skip(triton_problem())
+    new, positions = tokens(PROMPT, seed=1).cpu(), torch.arange(PROMPT)[None]
+    outs = {}
+
+    def forward(device: str) -> None:
+        model = load_model(str(tiny_folder), dtype=torch.float32, device=device, kernels="exact")
+        outs[device] = model(new.to(device), positions.to(device), model.new_cache(1, 128)).logits.cpu()
+
+    for device in ("cuda:0", "cuda:1"):
+        thread = threading.Thread(target=forward, args=(device,))
+        thread.start()
+        thread.join()
+    assert torch.equal(outs["cuda:0"], outs["cuda:1"])
+
 @needs_triton
 def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
     """The checks above have the power to fail: with an LM head whose tiling depends on the number of

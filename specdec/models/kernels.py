@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import asdict, dataclass
-from functools import cache
+from functools import cache, wraps
 
 import torch
 from torch import Tensor, nn
@@ -218,6 +218,22 @@ def norm_args(norm: nn.Module) -> tuple[Tensor | None, float]:
     return weight, getattr(norm, "eps", 0.0)
 
 
+def on_tensor_device(launch):
+    """Run a Triton launcher with its tensors' GPU current. Triton launches on the current CUDA device,
+    which is cuda:0 in any thread that never chose one (a server's decode thread) and for a model on cuda:1."""
+
+    @wraps(launch)
+    def run(*args, **kwargs):
+        x = next(a for a in args if isinstance(a, Tensor))
+        if not x.is_cuda:  # Triton's interpreter, on the CPU
+            return launch(*args, **kwargs)
+        with torch.cuda.device(x.device):
+            return launch(*args, **kwargs)
+
+    return run
+
+
+@on_tensor_device
 def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
                      inv_freq: Tensor, attention_factor: float, window: int | None) -> Tensor:
     """x [B, T, D] through decoder layers with the Triton kernels: q/k/v (+ norm, RoPE, q/k norm, KV
@@ -266,6 +282,7 @@ def add_product(x: Tensor, linear: nn.Module, h: Tensor, next_norm: tuple[Tensor
     return ops.add_partials(linear.split.gather_ranks(part), h, next_norm)
 
 
+@on_tensor_device
 def norm_exact(norm: nn.Module, x: Tensor) -> Tensor:
     """RMSNorm of x [..., D] per row (the model's final norm)."""
     from specdec.models import triton_ops as ops
@@ -274,6 +291,7 @@ def norm_exact(norm: nn.Module, x: Tensor) -> Tensor:
     return ops.rms_norm(x.reshape(-1, D).contiguous(), norm.weight, norm.eps).view(x.shape)
 
 
+@on_tensor_device
 def logits_exact(lm_head: nn.Module, h: Tensor) -> Tensor:
     """h [B, T, D] -> float32 logits [B, T, V], accumulated and stored in fp32."""
     from specdec.models import triton_ops as ops
