@@ -522,6 +522,30 @@ def test_cost_policy_decides_from_measured_step_times():
     assert policy.choose(rows) == 0
 
 
+def test_cost_policy_times_the_whole_step_launch_included(model):
+    """On the CPU a step runs inside its launch: the step time the cost policy learns from must include it
+    (it once started the clock after the launch, and learned ~0.1 ms steps that took 50 ms)."""
+    scheduler = make_scheduler(model, policy="cost", costs=linear_costs())
+    seen: list[float] = []
+    observe, launch = scheduler.policy.observe_step_time, scheduler.ops.launch
+
+    def slow_launch(*args, **kwargs):
+        time.sleep(0.03)
+        return launch(*args, **kwargs)
+
+    scheduler.policy.observe_step_time = lambda B, g, seconds: (seen.append(seconds), observe(B, g, seconds))
+    scheduler.ops.launch = slow_launch
+    finished = threading.Event()
+    ids = model.tokenizer(PROMPTS[1])["input_ids"]
+    scheduler.start()
+    try:
+        scheduler.submit(GenerationRequest(ids, 6, SamplingParams(temperature=0.0), (),
+                                           lambda event: event.final and finished.set()))
+        assert finished.wait(60)
+    finally:
+        scheduler.stop()
+    assert seen and min(seen) >= 0.03
+
 def test_fixed_policies():
     rows = [Acceptance.empty(3)] * 3
     assert SpecPolicy("off", gamma=3).choose(rows) == 0

@@ -435,8 +435,9 @@ class Scheduler:
         if self.launched and self.launched[0].n != n:
             self.drain()
         try:
+            start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
-            self.launched.append(Launch(n, len(slots), gamma, time.perf_counter()))
+            self.launched.append(Launch(n, len(slots), gamma, start))
             keep = 1 if self.ops.stepper(n).pipelined and not self.waiting and self.ops.prefill is None else 0
             while len(self.launched) > keep:
                 self.read_oldest()
