@@ -430,6 +430,25 @@ class Stepper:
         self.times.host_s += time.perf_counter() - t
         return launched
 
+    @entry_point
+    def capture_shapes(self, gammas: list[int]) -> int:
+        """Capture now the steps at these gammas, for greedy and for sampled batches without a top-k bound,
+        so that a policy changing gamma from step to step never stalls a running batch on a capture (an
+        eager warm-up and three captures). Returns how many were new; nothing without graphs."""
+        if not self.graphs:
+            return 0
+        new, bound = 0, self.batch.sampling.max_top_k
+        self.batch.sampling.max_top_k = 0
+        for gamma in gammas:
+            gamma = gamma if self.drafter.shape(gamma).width else 0
+            for any_sampled in (False, True):
+                key = (gamma, any_sampled, 0)
+                if key not in self.captured:
+                    self.capture(key, self.drafter.shape(gamma) if gamma else DraftShape(0, 0))
+                    new += 1
+        self.batch.sampling.max_top_k = bound
+        return new
+
     def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch | None = None,
                    observe: bool = False) -> StepOutput:
         watch = watch or Stopwatch(self.device)

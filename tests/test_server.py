@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import torch
 
 from conftest import DEVICE, tiny_folder_with_tokenizer, tiny_pair
 from specdec import SpecConfig, SpecEngine
@@ -545,6 +546,30 @@ def test_cost_policy_times_the_whole_step_launch_included(model):
     finally:
         scheduler.stop()
     assert seen and min(seen) >= 0.03
+
+def test_each_policy_names_the_gammas_it_may_choose():
+    assert SpecPolicy("off", gamma=3).gammas() == [0]
+    assert SpecPolicy("on", gamma=3).gammas() == [0, 3]
+    assert SpecPolicy("batch-threshold", gamma=3).gammas() == [0, 3]
+    assert SpecPolicy("cost", gamma=3, costs=linear_costs()).gammas() == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(torch.device(DEVICE).type != "cuda", reason="CUDA graphs")
+def test_the_server_captures_its_policys_step_shapes_before_serving(model):
+    """`cost` moves between gammas; a shape captured mid-serving stalls every row, so the decode thread
+    captures each bucket's steps at every gamma the policy may choose first, and again after a switch."""
+    scheduler = make_scheduler(model, policy="cost", costs=linear_costs())
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 120
+        while scheduler.captured_for != ("cost", 3):
+            assert time.monotonic() < deadline, "no capture at start"
+            time.sleep(0.05)
+        for n in scheduler.ops.buckets():
+            keys = set(scheduler.ops.stepper(n).captured)
+            assert {(g, s, 0) for g in range(4) for s in (False, True)} <= keys, n
+    finally:
+        scheduler.stop()
 
 def test_fixed_policies():
     rows = [Acceptance.empty(3)] * 3

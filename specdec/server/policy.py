@@ -166,6 +166,12 @@ class SpecPolicy:
             return max(range(1, self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
         return best
 
+    def gammas(self) -> list[int]:
+        """Every gamma `choose` may return (a step whose rows all opted out runs at 0 too)."""
+        if self.name == "off":
+            return [0]
+        return list(range(self.gamma + 1)) if self.name == "cost" else [0, self.gamma]
+
     def tokens_per_s(self, alphas: list[list[float]], g: int) -> float:
         return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(len(alphas), g)
 

@@ -184,6 +184,13 @@ class BatchOps:
                                        full.decode)
         return self.steppers[n]
 
+    def capture_shapes(self, gammas: list[int]) -> int:
+        """Capture every bucket's steps at these gammas now (Stepper.capture_shapes); how many were new."""
+        return sum(self.stepper(n).capture_shapes(gammas) for n in self.buckets())
+
+    def buckets(self) -> list[int]:
+        return sorted({b for b in BUCKETS if b < self.batch.capacity} | {self.batch.capacity})
+
     def start_prefill(self, slots: list[int], requests: list[Request], chunk: int) -> Prefill:
         self.prefill = self.full.start_prefill(slots, requests, chunk)
         return self.prefill
@@ -256,6 +263,7 @@ class Scheduler:
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
         self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
         self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
+        self.captured_for: tuple[str, int] | None = None  # the policy whose step shapes are captured
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
         self.thread: threading.Thread | None = None
@@ -335,8 +343,26 @@ class Scheduler:
     # ---- the decode thread --------------------------------------------------------------------
 
     def loop(self) -> None:
+        if self.batch.device.type == "cuda":  # the thread's streams, launches and captures go to the model's GPU
+            torch.cuda.set_device(self.batch.device)
+        self.capture_steps()
         while self.wait_for_work():
+            self.capture_steps()
             self.turn()
+
+    def capture_steps(self) -> None:
+        """With CUDA graphs: capture each bucket's steps at every gamma the policy may choose, at start and
+        after a policy switch, before they are needed: a capture in the middle of serving stalls every
+        running row (eager warm-up passes, then the captures), and `cost` moves between gammas."""
+        wanted = (self.policy.name, self.policy.gamma)
+        if not self.full.graphs or wanted == self.captured_for:
+            return
+        self.drain()
+        t = time.perf_counter()
+        new = self.ops.capture_shapes(self.policy.gammas())
+        self.captured_for = wanted
+        if new:
+            log.info(f"captured {new} step graphs for policy {self.policy.name} in {time.perf_counter() - t:.1f} s")
 
     def turn(self) -> None:
         """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready.
