@@ -12,6 +12,7 @@ from pathlib import Path
 from specdec.errors import UserError
 
 SERVE_EXTRA = "pip install 'specdec[serve]'"
+PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}  # default --prefill-chunk by device type (vLLM's chunk is 2048 on a GPU)
 
 
 def add_server_commands(sub) -> None:
@@ -25,8 +26,10 @@ def add_server_commands(sub) -> None:
     s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
     s.add_argument("--max-queue", type=int, default=256, help="most requests waiting for the batch; beyond: HTTP 429")
     s.add_argument("--context", type=int, default=None, help="tokens per request, prompt + max_tokens (default: the model's, at most 2048)")
-    s.add_argument("--prefill-chunk", type=int, default=512,
-                   help="most prompt tokens read between two decode steps (new requests do not stall running ones)")
+    s.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens read between two decode steps (new requests do not stall running ones); "
+                        f"default {PREFILL_CHUNK['cuda']} on a GPU, where an eager prefill forward costs its launches "
+                        f"more than its tokens, {PREFILL_CHUNK['cpu']} on a CPU")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that gives none")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -57,7 +60,8 @@ def add_server_commands(sub) -> None:
                    help="this fraction of each level's requests (evenly spread) close their stream after a few chunks")
     b.add_argument("--max-batch", type=int, default=None, help="server batch size (default: the largest concurrency)")
     b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
-    b.add_argument("--prefill-chunk", type=int, default=512, help="server: most prompt tokens read between two decode steps")
+    b.add_argument("--prefill-chunk", type=int, default=None,
+                   help="server: most prompt tokens read between two decode steps (default: the server's)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
@@ -86,7 +90,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     check_drafter_args(args)
     check_policy(args.spec_policy, args.gamma, args.spec_threshold)
     for name in ("max_batch", "default_max_tokens", "max_body_bytes", "prefill_chunk"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -127,7 +131,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              extra=drafter_extra(args))
     drafter = build_drafter(args.drafter, target, options)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
-                             prefill_chunk=args.prefill_chunk)
+                             prefill_chunk=args.prefill_chunk or PREFILL_CHUNK.get(target.norm.weight.device.type, 512))
     ops = partial(MirroredOps, shard) if shard.parallel else BatchOps  # under TP, rank 0 decides, the others follow
     scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config, ops=ops)
     if shard.rank > 0:
@@ -203,10 +207,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                        *drafter_argv(args), "--gamma", str(args.gamma), "--spec-policy", args.policies[0],
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
-                       "--prefill-chunk", str(args.prefill_chunk),
                        "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning", "--tp", str(args.tp)]
         if args.threads:
             server_args += ["--threads", str(args.threads)]
+        if args.prefill_chunk:
+            server_args += ["--prefill-chunk", str(args.prefill_chunk)]
         print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
         with local_server(server_args, out / "server.log", args.startup_timeout) as (url, key):
             health, levels = run_load(url, key, prompts, plan)
