@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import sys
 from functools import partial
@@ -39,7 +40,8 @@ def add_server_commands(sub) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
     s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
-    s.add_argument("--log-level", default="info", help="uvicorn log level")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="log level of uvicorn and of specdec's server notes (graph captures, errors)")
     add_tp_arg(s)
 
     b = sub.add_parser("bench-serve", help="load-test the server: throughput and latency per policy and concurrency")
@@ -145,6 +147,10 @@ def run_serve(args: argparse.Namespace) -> int:
           f"gamma {args.gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}"
           f"{f', tensor-parallel over {shard.world} ranks' if shard.parallel else ''}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+    say = logging.StreamHandler(sys.stderr)
+    say.setFormatter(logging.Formatter("specdec: %(message)s"))
+    logging.getLogger("specdec").addHandler(say)  # the scheduler's notes (graph captures) and errors
+    logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(args.log_level.upper(), args.log_level.upper()))
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=args.host, port=args.port,
                                            log_level=args.log_level, access_log=False,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
@@ -207,7 +213,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                        *drafter_argv(args), "--gamma", str(args.gamma), "--spec-policy", args.policies[0],
                        "--spec-threshold", str(args.spec_threshold),
                        "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
-                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "warning", "--tp", str(args.tp)]
+                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "info", "--tp", str(args.tp)]
         if args.threads:
             server_args += ["--threads", str(args.threads)]
         if args.prefill_chunk:

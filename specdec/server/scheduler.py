@@ -264,6 +264,7 @@ class Scheduler:
         self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
         self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
         self.captured_for: tuple[str, int] | None = None  # the policy whose step shapes are captured
+        self.ready = threading.Event()  # the decode thread has captured its first step shapes
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
         self.thread: threading.Thread | None = None
@@ -282,6 +283,7 @@ class Scheduler:
         if self.thread is None:
             self.thread = threading.Thread(target=self.loop, name="specdec-decode", daemon=True)
             self.thread.start()
+            self.ready.wait()  # the step graphs are captured (capture_steps) before the first request
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request (validated by the caller: a prompt, and prompt + max_tokens within the context)."""
@@ -345,7 +347,10 @@ class Scheduler:
     def loop(self) -> None:
         if self.batch.device.type == "cuda":  # the thread's streams, launches and captures go to the model's GPU
             torch.cuda.set_device(self.batch.device)
-        self.capture_steps()
+        try:
+            self.capture_steps()
+        finally:
+            self.ready.set()
         while self.wait_for_work():
             self.capture_steps()
             self.turn()
@@ -358,9 +363,13 @@ class Scheduler:
         if not self.full.graphs or wanted == self.captured_for:
             return
         self.drain()
-        t = time.perf_counter()
-        new = self.ops.capture_shapes(self.policy.gammas())
         self.captured_for = wanted
+        t = time.perf_counter()
+        try:
+            new = self.ops.capture_shapes(self.policy.gammas())
+        except Exception:
+            log.exception("capturing the step graphs failed; each is captured when first needed instead")
+            return
         if new:
             log.info(f"captured {new} step graphs for policy {self.policy.name} in {time.perf_counter() - t:.1f} s")
 
