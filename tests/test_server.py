@@ -500,12 +500,18 @@ def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
 
 def test_cost_policy_explores_after_a_run_of_gamma_0():
     """A draft cost that looks prohibitive (a slow first step, say) would keep `cost` at gamma 0 forever;
-    every EXPLORE_EVERY-th step drafts anyway, so the estimates are measured again."""
+    after EXPLORE_EVERY steps at 0 one step drafts anyway, so the estimates are measured again."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     policy.draft_s_per_row, policy.draft_samples = 100.0, 1
-    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(2 * EXPLORE_EVERY)]
-    assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(7 * EXPLORE_EVERY)]
+    # each exploration that changed nothing doubles the wait for the next
+    assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1, 7 * EXPLORE_EVERY - 1]
     assert chosen[EXPLORE_EVERY - 1] == 3  # the best gamma > 0
+    policy.draft_s_per_row = 0.0  # drafting pays again: the policy drafts, and the wait starts over
+    assert policy.choose(rows_accepting(3, 1)) == 3
+    policy.draft_s_per_row = 100.0
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(EXPLORE_EVERY)]
+    assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1]
 
 
 def test_cost_policy_decides_from_measured_step_times():

@@ -22,7 +22,9 @@ becomes compute-bound and every rejected draft token is work taken from other re
 
   It explores: after EXPLORE_EVERY steps in a row at gamma 0, one step drafts at the best gamma > 0,
   so estimates that a slow first step (graph capture) or a cold start made too pessimistic are
-  measured again instead of locking the server at gamma 0.
+  measured again instead of locking the server at gamma 0. Each exploration that leaves the choice at
+  0 doubles the wait before the next (up to EXPLORE_MOST steps), so where drafting never pays (a full
+  batch on a CPU) exploring costs next to nothing; choosing gamma > 0 on its own resets the wait.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from specdec.errors import UserError
 SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
 MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 STEP_SAMPLES = 5  # steps of one shape before its measured time replaces the prediction
-EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again
+EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again (at first)
+EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed nothing
 
 
 @dataclass
@@ -142,6 +145,7 @@ class SpecPolicy:
     step_s: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, g) -> last whole-step seconds
     overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
     idle_steps: int = 0  # consecutive `cost` choices of gamma 0
+    explore_after: int = EXPLORE_EVERY  # idle steps before the next exploration
 
     def __post_init__(self) -> None:
         check_policy(self.name, self.gamma, self.threshold)
@@ -160,11 +164,14 @@ class SpecPolicy:
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
         best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
-        self.idle_steps = self.idle_steps + 1 if best == 0 else 0
-        if self.idle_steps >= EXPLORE_EVERY:
-            self.idle_steps = 0
+        if best > 0:
+            self.idle_steps, self.explore_after = 0, EXPLORE_EVERY
+            return best
+        self.idle_steps += 1
+        if self.idle_steps >= self.explore_after:
+            self.idle_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MOST)
             return max(range(1, self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
-        return best
+        return 0
 
     def gammas(self) -> list[int]:
         """Every gamma `choose` may return (a step whose rows all opted out runs at 0 too)."""
