@@ -100,6 +100,17 @@ class AttentionConfig:
     num_stages: int = 2
 
 
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host. triton.cdiv and triton.next_power_of_2 are constexpr functions since
+    Triton 3.5: 2-6 us a call from host code, ~10 calls per GEMM launch, which an eager forward pays."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for 0), for the host (see cdiv)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
 # (kind, rows per accumulator, K, dtype) -> tiling measured best on an H100/H200; others use pick_gemm_config.
 # kind: "plain" (o_proj, down, lm_head), "silu" (gate_up; rows = I), "qkv" (rows = (H + 2 Hkv) * Dh / 2).
 TUNED_GEMM: dict[tuple[str, int, int, torch.dtype], GemmConfig] = {}
@@ -117,13 +128,13 @@ def pick_gemm_config(kind: str, rows: int, K: int, dtype: torch.dtype, min_block
     elem = torch.finfo(dtype).bits // 8
     block_n = max(64, min_block_n)
     block_k = 64 if elem == 4 or K <= 1024 else 128
-    block_k = max(16, min(block_k, triton.next_power_of_2(K)))
+    block_k = max(16, min(block_k, next_power_of_2(K)))
     tiles = 1 if kind == "plain" else 2  # weight tiles per K step
-    n_tiles, k_blocks = triton.cdiv(rows, block_n), triton.cdiv(K, block_k)
+    n_tiles, k_blocks = cdiv(rows, block_n), cdiv(K, block_k)
     split = 1
     if tiles * block_n * K * elem > SPLIT_MIN_BYTES:
         split = max(1, min(SMS // n_tiles, k_blocks // 3))
-    steps = triton.cdiv(k_blocks, split)
+    steps = cdiv(k_blocks, split)
     stage_bytes = (tiles * block_n + BLOCK_T) * block_k * elem
     if n_tiles * split <= SMS:
         budget = 200 * 1024  # one program per SM
@@ -160,7 +171,7 @@ def counters(device: torch.device, n: int) -> Tensor:
     hold the address of an older one."""
     bufs = _COUNTERS.setdefault((device.type, device.index), [])
     if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(1 << 16, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
+        bufs.append(torch.zeros(max(1 << 16, next_power_of_2(n)), dtype=torch.int32, device=device))
     return bufs[-1]
 
 
@@ -691,7 +702,7 @@ def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int
     the next norm's NormedRows of y when next_norm has a weight."""
     x_rows, x_sq, eps = (x.x, x.sq, x.eps) if isinstance(x, NormedRows) else (x, None, 0.0)
     M, K = x_rows.shape
-    grid = (triton.cdiv(M, BLOCK_T), triton.cdiv(rows, c.block_n), c.split_k)
+    grid = (cdiv(M, BLOCK_T), cdiv(rows, c.block_n), c.split_k)
     ws = cnt = None
     if c.split_k > 1:
         tiles = grid[0] * grid[1]
@@ -701,15 +712,15 @@ def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int
     normed = None
     if next_w is not None:
         assert epilogue == 0 and c.block_n % NORM_PART == 0
-        normed = NormedRows(torch.empty_like(y), torch.empty(M, triton.cdiv(y.shape[1], NORM_PART), dtype=torch.float32,
+        normed = NormedRows(torch.empty_like(y), torch.empty(M, cdiv(y.shape[1], NORM_PART), dtype=torch.float32,
                                                              device=y.device), float(next_eps))
     q = qkv or {}
     k_cache = q.get("k_cache")
     strides = k_cache.stride()[:3] if k_cache is not None else (0, 0, 0)
     use_pdl, extra = launch_options(x_rows.device)
-    per_split = triton.cdiv(triton.cdiv(K, c.block_k), c.split_k) * c.block_k
+    per_split = cdiv(cdiv(K, c.block_k), c.split_k) * c.block_k
     ahead = c.block_k * max(1, c.num_stages - 1)  # what the pipeline's prologue loads first
-    prefetch_k = max(128 // weight.element_size(), min(triton.next_power_of_2(per_split), 1 << (ahead.bit_length() - 1)))
+    prefetch_k = max(128 // weight.element_size(), min(next_power_of_2(per_split), 1 << (ahead.bit_length() - 1)))
     prefetch_k = prefetch_k if use_pdl and PREFETCH else 0
     gemm_kernel[grid](
         x_rows, weight, bias, residual, y, ws, cnt, x_sq, next_w, None if normed is None else normed.x,
@@ -721,7 +732,7 @@ def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int
         NUM_HEADS=q.get("num_heads", 1), NUM_KV_HEADS=q.get("num_kv_heads", 1), HEAD_DIM=q.get("head_dim", 2),
         QK_NORM=q.get("q_norm") is not None,
         BLOCK_T=BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM_PART=NORM_PART,
-        NORM_PARTS=triton.next_power_of_2(triton.cdiv(K, NORM_PART)), USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
+        NORM_PARTS=next_power_of_2(cdiv(K, NORM_PART)), USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
         num_warps=c.num_warps, num_stages=c.num_stages, **extra,
     )
     return normed
@@ -734,10 +745,10 @@ def rows_of(x: Tensor | NormedRows) -> Tensor:
 def prenorm(x: Tensor, weight: Tensor, eps: float) -> NormedRows:
     """x [M, D] -> NormedRows of rms_norm(x; weight, eps), for a GEMM to apply."""
     M, D = x.shape
-    normed = NormedRows(torch.empty_like(x), torch.empty(M, triton.cdiv(D, NORM_PART), dtype=torch.float32, device=x.device),
+    normed = NormedRows(torch.empty_like(x), torch.empty(M, cdiv(D, NORM_PART), dtype=torch.float32, device=x.device),
                         float(eps))
     use_pdl, extra = launch_options(x.device)
-    prenorm_kernel[(M,)](x, weight, normed.x, normed.sq, D, BLOCK_D=max(NORM_PART, triton.next_power_of_2(D)),
+    prenorm_kernel[(M,)](x, weight, normed.x, normed.sq, D, BLOCK_D=max(NORM_PART, next_power_of_2(D)),
                          NORM_PART=NORM_PART, USE_PDL=use_pdl, num_warps=4, **extra)
     return normed
 
@@ -749,11 +760,11 @@ def add_partials(parts: Tensor, residual: Tensor, next_norm: tuple[Tensor | None
     h = torch.empty_like(residual)
     weight, eps = next_norm
     normed = None if weight is None else NormedRows(
-        torch.empty_like(residual), torch.empty(M, triton.cdiv(D, NORM_PART), dtype=torch.float32, device=h.device), float(eps))
+        torch.empty_like(residual), torch.empty(M, cdiv(D, NORM_PART), dtype=torch.float32, device=h.device), float(eps))
     use_pdl, extra = launch_options(h.device)
     add_partials_kernel[(M,)](parts, residual, h, weight, None if normed is None else normed.x,
                               None if normed is None else normed.sq, M, D, N=N, HAS_NORM=normed is not None,
-                              BLOCK_D=max(NORM_PART, triton.next_power_of_2(D)), NORM_PART=NORM_PART, USE_PDL=use_pdl,
+                              BLOCK_D=max(NORM_PART, next_power_of_2(D)), NORM_PART=NORM_PART, USE_PDL=use_pdl,
                               num_warps=4, **extra)
     return h, (h if normed is None else normed)
 
@@ -833,8 +844,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, T: i
     group = H // num_kv_heads
     c = config or pick_attention_config(head_dim, q.dtype)
     assert c.chunk % c.block_s == 0
-    tiles = triton.cdiv(group, BLOCK_Q)
-    c_max = triton.cdiv(S, c.chunk) + 1
+    tiles = cdiv(group, BLOCK_Q)
+    c_max = cdiv(S, c.chunk) + 1
     out = torch.empty_like(q)
     per_token = H * c_max * (head_dim + 2) * 4
     step = max(1, min(T, WORKSPACE_BYTES // (per_token * B)))
@@ -846,7 +857,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, T: i
     use_pdl, extra = launch_options(q.device)
     for t0 in range(0, T, step):
         n_t = min(step, T - t0)
-        P = programs or max(1, min(c_max, triton.cdiv(2 * SMS, B * n_t * num_kv_heads * tiles)))
+        P = programs or max(1, min(c_max, cdiv(2 * SMS, B * n_t * num_kv_heads * tiles)))
         attention_kernel[(n_t * tiles * P, B * num_kv_heads)](
             q, k_cache, v_cache, out, lengths, order, count, positions, ws_acc, ws_ml, cnt,
             T, t0, n_t, W, P, c_max, window or 0, math.log2(math.e) / math.sqrt(head_dim),
@@ -863,5 +874,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     M, D = x.shape
     y = torch.empty_like(x)
     use_pdl, extra = launch_options(x.device)
-    rms_norm_kernel[(M,)](x, weight, y, D, eps, BLOCK_D=triton.next_power_of_2(D), USE_PDL=use_pdl, num_warps=4, **extra)
+    rms_norm_kernel[(M,)](x, weight, y, D, eps, BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl, num_warps=4, **extra)
     return y
