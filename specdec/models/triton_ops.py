@@ -125,6 +125,12 @@ def pick_gemm_config(kind: str, rows: int, K: int, dtype: torch.dtype, min_block
     tuned = TUNED_GEMM.get((kind, rows, K, dtype))
     if tuned is not None and tuned.block_n >= min_block_n:
         return tuned
+    return heuristic_gemm_config(kind, rows, K, dtype, min_block_n)
+
+
+@cache
+def heuristic_gemm_config(kind: str, rows: int, K: int, dtype: torch.dtype, min_block_n: int) -> GemmConfig:
+    """pick_gemm_config's rule, once per shape (an eager forward asks for it at every launch)."""
     elem = torch.finfo(dtype).bits // 8
     block_n = max(64, min_block_n)
     block_k = 64 if elem == 4 or K <= 1024 else 128
