@@ -60,7 +60,7 @@ def serving(scheduler: Scheduler, **settings):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=10))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + (300 if torch.device(DEVICE).type == "cuda" else 20)  # start captures the step graphs
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.01)
