@@ -24,7 +24,7 @@ from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
 from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
-from specdec.server.scheduler import Codec, Event, GenerationRequest, Scheduler, SchedulerConfig
+from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
 KEY = "test-key"
@@ -219,6 +219,58 @@ def test_events_hand_each_token_once_in_order(model):
     assert [t for event in events for t in event.token_ids] == expected
     assert "".join(event.text for event in events) == model.tokenizer.decode(expected, skip_special_tokens=True)
 
+
+def grow_and_compare(codec: Codec, ids: list[int], seed: int) -> None:
+    """Feed ids to decode_more a few at a time (1-5, as steps emit them): its text is always a prefix of the
+    whole decode, and equal to it unless the last character is unfinished."""
+    import random
+
+    rng, state, k = random.Random(seed), Detokenized(), 0
+    while k < len(ids):
+        k = min(len(ids), k + rng.randint(1, 5))
+        text, whole = codec.decode_more(state, ids[:k]), codec.decode(ids[:k])
+        assert whole.startswith(text), (k, text, whole)
+        assert text == whole or whole.endswith("\ufffd"), (k, text, whole)
+
+
+INCREMENTAL_TEXTS = ["Natalia sold clips to 48 of her friends in April , and then she sold half as many clips in May .",
+                     "caf\u00e9 \u6771\u4eac \U0001F642 na\u00efve \u00fcber \u2014 \u00bd",  # multi-byte characters, split across tokens
+                     "It ' s don 't , isn ' t it ? Yes ! I 'm sure . They 're here , we 've seen .",  # cleanup patterns
+                     "  spaces   and\n\nnewlines\t tabs "]
+
+
+class CleaningUp:
+    """A tokenizer whose decode rewrites across tokens, as HF's clean_up_tokenization_spaces does
+    (transformers 5 applies it to WordPiece tokenizers only)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids, **kwargs) -> str:
+        text = self.tokenizer.decode(ids, **kwargs)
+        for a, b in ((" .", "."), (" ,", ","), (" ?", "?"), (" !", "!"), (" ' ", "'"), (" n't", "n't"), (" 's", "'s")):
+            text = text.replace(a, b)
+        return text
+
+
+@pytest.mark.parametrize("cleanup", [False, True], ids=["plain", "cleaning_up"])
+def test_incremental_text_equals_the_whole_decode(default_model, cleanup):
+    """The server decodes a row's last few tokens per step, not its whole output; its text must be the
+    whole decode's, for the default model's byte-level BPE, with multi-byte characters whose bytes span
+    tokens, and with a tokenizer that rewrites across tokens (" ." -> ".": decoded whole once there)."""
+    tokenizer = default_model.tokenizer
+    codec = Codec(CleaningUp(tokenizer) if cleanup else tokenizer)
+    for i, text in enumerate(INCREMENTAL_TEXTS):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert i != 1 or any(codec.decode([t]).endswith("\ufffd") for t in ids), "the test needs split characters"
+        for seed in range(5):
+            grow_and_compare(codec, ids, seed)
+    assert not cleanup or codec.decode(tokenizer("a .", add_special_tokens=False)["input_ids"]) == "a."
+
+
+def test_incremental_text_of_a_word_level_tokenizer(model):
+    codec = Codec(model.tokenizer)
+    grow_and_compare(codec, model.tokenizer(" ".join(PROMPTS))["input_ids"], seed=0)
 
 def test_a_step_hands_its_events_over_then_wakes_once(model):
     """The events of one step (or prefill chunk) for several requests go out together, followed by one call
@@ -573,6 +625,15 @@ def test_the_server_captures_its_policys_step_shapes_before_serving(model):
             assert {(g, s, 0) for g in range(4) for s in (False, True)} <= keys, n
     finally:
         scheduler.stop()
+
+
+def test_cost_policy_predicts_a_tree_step_by_its_nodes():
+    """Before a shape is measured, a step of a tree drafter is predicted from the forward over its nodes."""
+    chain = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    tree = SpecPolicy("cost", gamma=3, costs=linear_costs(), widths={0: 0, 1: 2, 2: 3, 3: 3})
+    assert chain.predicted_step_s(32, 1) == pytest.approx(64.0)  # 32 rows x 2 tokens
+    assert tree.predicted_step_s(32, 1) == pytest.approx(96.0)  # 32 rows x 3 tokens
+    assert tree.predicted_step_s(32, 0) == chain.predicted_step_s(32, 0)
 
 def test_fixed_policies():
     rows = [Acceptance.empty(3)] * 3

@@ -118,9 +118,41 @@ class Codec:
         with self.lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_more(self, state: "Detokenized", ids: list[int]) -> str:
+        """The text of `ids`, a row's output so far (grown since the last call with `state`), decoding only
+        its last few tokens (see Detokenized); it lags behind while the last character is unfinished."""
+        with self.lock:
+            window = self.tokenizer.decode(ids[state.prefix :], skip_special_tokens=True)
+            if window.endswith("\ufffd"):
+                return state.text
+            if window.startswith(state.prefix_text):
+                state.text += window[len(state.prefix_text) :]
+            else:  # the tokenizer rewrote text across the tokens' border: decode it all once
+                state.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            state.prefix, state.read = state.read, len(ids)
+            state.prefix_text = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=True)
+            return state.text
+
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+
+@dataclass
+class Detokenized:
+    """A row's output text, decoded a few tokens at a time (vLLM's incremental scheme) instead of whole at
+    every step, which costs O(length) per step (with the default tokenizer 45 us at 128 tokens, 260 us at
+    512, per row). Tokens prefix..read were decoded last, as `prefix_text`; decoding prefix..end and
+    cutting `prefix_text` off gives the new text, so what a tokenizer does at the start of a decode
+    (SentencePiece drops the first token's leading space) falls on both alike. A window that does not
+    extend `prefix_text` (a tokenizer that rewrites across tokens: `clean_up_tokenization_spaces` turns
+    "a ." into "a.") is decoded whole once; a window that ends in an unfinished UTF-8 character waits for
+    the next tokens. A finished row's text is one whole decode (Scheduler.emit)."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    prefix_text: str = ""
 
 
 @dataclass
@@ -132,6 +164,7 @@ class Serving:
     acceptance: Acceptance
     sent: int = 0  # characters of text already emitted
     last_emit: float = 0.0
+    detokenized: Detokenized = field(default_factory=Detokenized)
 
 
 def usage_of(serving: Serving) -> dict:
@@ -534,7 +567,12 @@ class Scheduler:
         change) and, when the row has finished, its finish reason and usage."""
         now = time.monotonic()
         request, row = serving.request, serving.row
-        text = row.text if row.text is not None else self.codec.decode(row.generated)
+        if row.text is not None:  # cut before a stop string
+            text = row.text
+        elif row.finish_reason is not None:
+            text = self.codec.decode(row.generated)
+        else:
+            text = self.codec.decode_more(serving.detokenized, row.generated)
         if row.finish_reason is None:
             safe = len(text) - max((len(s) - 1 for s in request.stop), default=0)
             while safe > 0 and text[safe - 1] == "\ufffd":
