@@ -8,7 +8,9 @@ Policies (per row of a batch):
 - `cost`: choose gamma to maximise expected tokens per unit time, E(gamma) / cost(gamma), with
   E(gamma) = 1 + sum_{i<=gamma} prod_{j<=i} alpha_j from a running per-position acceptance
   estimate (conditional: alpha_j = P(draft j accepted | drafts before it were)), and
-  cost(gamma) = gamma * c + r(gamma + 1) from the measured verify ratio r and draft cost c.
+  cost(gamma) = gamma * c + r(w(gamma) + 1) from the measured verify ratio r, draft cost c per level
+  and w(gamma) the draft tokens verified per row (gamma for a chain; a tree's nodes down to depth
+  gamma, which a compute-bound target pays for one by one).
 A fixed gamma is the `fixed` policy.
 """
 
@@ -28,6 +30,7 @@ class CostModel:
 
     verify_ratio: dict[int, float]  # k -> r(k)
     t1: float  # seconds of a 1-token target forward
+    widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_s_per_token: float = 0.0  # running mean
     draft_tokens: int = 0
 
@@ -42,7 +45,7 @@ class CostModel:
         return self.draft_s_per_token / self.t1
 
     def step_cost(self, gamma: int) -> float:
-        return gamma * self.c + interpolate(self.verify_ratio, gamma + 1)
+        return gamma * self.c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
 
 
 @dataclass

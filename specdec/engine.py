@@ -72,11 +72,13 @@ class SpecEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def measure_costs(self, context: list[int], gamma_max: int) -> CostModel:
-        """Time target forwards over 1..gamma_max+1 tokens once (a few dozen forwards)."""
+        """Time target forwards over 1 up to the widest step's tokens once (a few dozen forwards)."""
         if self.cost_model is None:
-            ks = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= gamma_max + 1} | {gamma_max + 1})
+            widths = {g: self.drafter.shape(g).width if g else 0 for g in range(gamma_max + 1)}  # a tree verifies its nodes
+            top = max(widths.values()) + 1
+            ks = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= top} | {top})
             times = measure_forward_times(self.target, context[-256:], ks, repeats=3, graphs=self.graphs)
-            self.cost_model = CostModel(verify_ratios(times), times[1])
+            self.cost_model = CostModel(verify_ratios(times), times[1], widths)
         return self.cost_model
 
     def generate(self, prompts: list[list[int]], config: SpecConfig, observer: Observer | None = None) -> GenerateOutput:

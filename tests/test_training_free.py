@@ -146,6 +146,18 @@ def test_expected_tokens_and_best_gamma():
     assert best_gamma([0.3] * 4, costly) == 0  # rarely accepted and each draft costs a step: plain decoding
 
 
+
+def test_best_gamma_prices_a_tree_by_the_nodes_it_verifies():
+    """On a compute-bound target every verified token costs; a tree verifies its nodes, not its depth.
+    Priced as a chain of its depth, a 10-node tree looks cheap and keeps drafting where it loses."""
+    linear = {k: 0.7 + 0.3 * k for k in range(1, 12)}  # r(k): a third of a step per extra token
+    chain = CostModel(linear, t1=0.05, draft_s_per_token=0.005, draft_tokens=10)
+    tree = CostModel(linear, t1=0.05, draft_s_per_token=0.005, draft_tokens=10, widths={0: 0, 1: 4, 2: 7, 3: 10})
+    alphas = [0.45] * 3
+    assert best_gamma(alphas, chain) > 0
+    assert best_gamma(alphas, tree) == 0
+    assert tree.step_cost(3) == pytest.approx(3 * 0.1 + linear[11])
+
 def test_heuristic_policy_steps():
     policy = GammaPolicy("heuristic", gamma=3, gamma_max=6)
     policy.start(1)

@@ -196,7 +196,7 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
             old = scheduler.policy
             threshold = old.threshold if body.threshold is None else body.threshold
             try:
-                scheduler.policy = SpecPolicy(body.policy, old.gamma, threshold, settings.costs)
+                scheduler.policy = SpecPolicy(body.policy, old.gamma, threshold, settings.costs, widths=old.widths)
             except UserError as e:
                 raise ApiError(400, str(e), "policy") from e
             return scheduler.policy.describe()

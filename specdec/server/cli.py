@@ -110,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.models import load_model
     from specdec.models.llama import LlamaModel
     from specdec.server.app import AppSettings, create_app
-    from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
+    from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs, verify_widths
     from specdec.models.tensor_parallel import join_group
     from specdec.server.mirror import MirroredOps, follow
     from specdec.server.scheduler import BatchOps, Codec, Scheduler, SchedulerConfig
@@ -124,14 +124,15 @@ def run_serve(args: argparse.Namespace) -> int:
     context = args.context or min(target.max_context, 2048)
     if not 1 < context <= target.max_context:
         raise UserError(f"--context must be in 2..{target.max_context} (the model's), got {context}")
-    costs = None
-    if args.spec_policy == "cost" or args.enable_admin:
-        print("specdec: measuring target forward times per batch size and draft length (once) ...", file=sys.stderr, flush=True)
-        costs = measure_batch_costs(target, *cost_grid(args.max_batch, args.gamma))
-    policy = SpecPolicy(args.spec_policy, args.gamma, args.spec_threshold, costs)
     options = DrafterOptions(draft_model=args.draft_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                              extra=drafter_extra(args))
     drafter = build_drafter(args.drafter, target, options)
+    widths = verify_widths(drafter, args.gamma)
+    costs = None
+    if args.spec_policy == "cost" or args.enable_admin:
+        print("specdec: measuring target forward times per batch size and draft length (once) ...", file=sys.stderr, flush=True)
+        costs = measure_batch_costs(target, *cost_grid(args.max_batch, widths))
+    policy = SpecPolicy(args.spec_policy, args.gamma, args.spec_threshold, costs, widths=widths)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
                              prefill_chunk=args.prefill_chunk or PREFILL_CHUNK.get(target.norm.weight.device.type, 512))
     ops = partial(MirroredOps, shard) if shard.parallel else BatchOps  # under TP, rank 0 decides, the others follow

@@ -13,8 +13,9 @@ becomes compute-bound and every rejected draft token is work taken from other re
   where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py)
   and S(B, g) the seconds of a whole step of B rows drafting g tokens each. S is measured: the median
   of the last steps of that shape, once there are STEP_SAMPLES of them. Until then it is predicted
-  from the forward times measured at start, T(B, g + 1) (interpolated between measured batch sizes
-  and k), plus B * d for g > 0 (d: measured draft seconds per row-step), scaled by how much the
+  from the forward times measured at start, T(B, w(g) + 1) (interpolated between measured batch sizes
+  and k; w(g) the draft tokens a row verifies: g for a chain, a tree's nodes down to depth g), plus
+  B * d for g > 0 (d: measured draft seconds per row-step), scaled by how much the
   steps measured so far at this batch size exceeded their prediction (host work, bookkeeping).
   alpha_bj blends the row's own acceptance with a server-wide running estimate. Gamma 0 wins when
   speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
@@ -124,10 +125,12 @@ def measure_batch_costs(target, batch_sizes: list[int], ks: list[int], context: 
     return BatchCosts(seconds)
 
 
-def cost_grid(max_batch: int, gamma_max: int) -> tuple[list[int], list[int]]:
-    """(batch sizes, tokens per row) to measure: powers of two up to max_batch, k in 1..gamma_max+1."""
+def cost_grid(max_batch: int, widths: dict[int, int]) -> tuple[list[int], list[int]]:
+    """(batch sizes, tokens per row) to measure: powers of two up to max_batch, k from 1 to the widest
+    step's tokens (widths: gamma -> draft tokens verified per row)."""
+    top = max(widths.values()) + 1
     sizes = sorted({b for b in MEASURED_BATCH_SIZES if b <= max_batch} | {max_batch})
-    ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k <= gamma_max + 1} | {gamma_max + 1})
+    ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k <= top} | {top})
     return sizes, ks
 
 
@@ -137,6 +140,7 @@ class SpecPolicy:
     gamma: int  # drafts per step for `on` / `batch-threshold`; the most `cost` tries
     threshold: int = 4  # `batch-threshold`: speculate while running requests <= threshold
     costs: BatchCosts | None = None  # `cost`
+    widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens a row verifies (default gamma)
     prior_weight: float = 4.0  # pseudo-observations of the server-wide rate in a row's estimate
     decay: float = 0.98  # per step: the server-wide estimate follows the recent traffic
     overall: Acceptance = field(init=False)
@@ -183,7 +187,7 @@ class SpecPolicy:
         return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(len(alphas), g)
 
     def predicted_step_s(self, B: int, g: int) -> float:
-        return self.costs.forward_s(B, g + 1) + (B * self.draft_s_per_row if g else 0.0)
+        return self.costs.forward_s(B, self.widths.get(g, g) + 1) + (B * self.draft_s_per_row if g else 0.0)
 
     def step_seconds(self, B: int, g: int) -> float:
         """S(B, g): measured where STEP_SAMPLES steps of this shape ran, else predicted (module docstring)."""
@@ -213,6 +217,11 @@ class SpecPolicy:
         if self.costs is not None:
             out["forward_seconds"] = self.costs.to_dict()
         return out
+
+
+def verify_widths(drafter, gamma: int) -> dict[int, int]:
+    """gamma -> the draft tokens a row verifies at that gamma: gamma for a chain, a tree's nodes."""
+    return {g: drafter.shape(g).width if g else 0 for g in range(gamma + 1)}
 
 
 def check_policy(name: str, gamma: int, threshold: int) -> None:
