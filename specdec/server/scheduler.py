@@ -95,6 +95,23 @@ class GenerationRequest:
     done: bool = False
 
 
+@dataclass
+class Detokenized:
+    """A row's output text, decoded a few tokens at a time (vLLM's incremental scheme) instead of whole at
+    every step, which costs O(length) per step (with the default tokenizer 45 us at 128 tokens, 260 us at
+    512, per row). Tokens prefix..read were decoded last, as `prefix_text`; decoding prefix..end and
+    cutting `prefix_text` off gives the new text, so what a tokenizer does at the start of a decode
+    (SentencePiece drops the first token's leading space) falls on both alike. A window that does not
+    extend `prefix_text` (a tokenizer that rewrites across tokens: `clean_up_tokenization_spaces` turns
+    "a ." into "a.") is decoded whole once; a window that ends in an unfinished UTF-8 character waits for
+    the next tokens. A finished row's text is one whole decode (Scheduler.emit)."""
+
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    prefix_text: str = ""
+
+
 class Codec:
     """The tokenizer behind one lock: the event loop encodes while the decode thread decodes."""
 
@@ -118,7 +135,7 @@ class Codec:
         with self.lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def decode_more(self, state: "Detokenized", ids: list[int]) -> str:
+    def decode_more(self, state: Detokenized, ids: list[int]) -> str:
         """The text of `ids`, a row's output so far (grown since the last call with `state`), decoding only
         its last few tokens (see Detokenized); it lags behind while the last character is unfinished."""
         with self.lock:
@@ -136,23 +153,6 @@ class Codec:
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
-
-
-@dataclass
-class Detokenized:
-    """A row's output text, decoded a few tokens at a time (vLLM's incremental scheme) instead of whole at
-    every step, which costs O(length) per step (with the default tokenizer 45 us at 128 tokens, 260 us at
-    512, per row). Tokens prefix..read were decoded last, as `prefix_text`; decoding prefix..end and
-    cutting `prefix_text` off gives the new text, so what a tokenizer does at the start of a decode
-    (SentencePiece drops the first token's leading space) falls on both alike. A window that does not
-    extend `prefix_text` (a tokenizer that rewrites across tokens: `clean_up_tokenization_spaces` turns
-    "a ." into "a.") is decoded whole once; a window that ends in an unfinished UTF-8 character waits for
-    the next tokens. A finished row's text is one whole decode (Scheduler.emit)."""
-
-    text: str = ""
-    prefix: int = 0
-    read: int = 0
-    prefix_text: str = ""
 
 
 @dataclass
