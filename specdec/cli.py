@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted or '-')")
     add_model_args(g)
     add_drafter_args(g)
-    g.add_argument("--gamma", type=gamma_arg, default=4, help="draft tokens proposed per step, or 'auto' (see --gamma-policy)")
+    g.add_argument("--gamma", type=gamma_arg, default="auto",
+                   help="draft tokens proposed per step, or 'auto' (default: per row, by --gamma-policy, which drafts "
+                        "less or not at all where drafting does not pay)")
     add_policy_args(g)
     add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
