@@ -276,6 +276,9 @@ class Codec:
     def decode(self, ids: list[int]) -> str:
         return ""
 
+    def decode_more(self, state, ids: list[int]) -> str:
+        return ""
+
 
 def test_rows_joining_and_leaving_decode_as_alone(models, plain):  # noqa: F811
     """Slot 1 leaves early and a new row takes it (the leaving row then enters the global index) while slot 0
