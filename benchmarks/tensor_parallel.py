@@ -93,9 +93,10 @@ def random_eagle(target, config: ModelConfig) -> EagleDrafter:
 
 def graphed_us(op, repeats: int = 200) -> float:
     """Median microseconds of one `op` (a collective) replayed from a CUDA graph of 10, timed with events;
-    the communicator is warmed outside the capture."""
+    the communicator is warmed outside the capture, and the ranks meet before it."""
     op()
     torch.cuda.synchronize()
+    dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(10):

@@ -19,31 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-
-def graphed_us(op, repeats: int = 200) -> float:
-    op()
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            op()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats // 10):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 10 * 1e3)
-    return statistics.median(samples)
+from tensor_parallel import graphed_us  # benchmarks/, this script's folder
 
 
 def measure(D: int, rank: int, world: int, group_name: str) -> dict:
