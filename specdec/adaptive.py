@@ -48,6 +48,19 @@ class CostModel:
         return gamma * self.c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
 
 
+def verify_widths(drafter, gamma_max: int) -> dict[int, int]:
+    """gamma -> the draft tokens a row verifies at that gamma: gamma for a chain, a tree's nodes down to
+    depth gamma (what a cost policy must price: a compute-bound target pays for every verified token)."""
+    return {g: drafter.shape(g).width if g else 0 for g in range(gamma_max + 1)}
+
+
+def forward_sizes(widths: dict[int, int]) -> list[int]:
+    """Tokens per row k to time target forwards at, from 1 up to the widest step's (its drafts and the
+    pending token)."""
+    top = max(widths.values()) + 1
+    return sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k <= top} | {top})
+
+
 @dataclass
 class GammaPolicy:
     name: str

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.adaptive import CostModel, GammaPolicy
+from specdec.adaptive import CostModel, GammaPolicy, forward_sizes, verify_widths
 from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams, SpecConfig
 from specdec.costs import measure_forward_times, verify_ratios
@@ -74,10 +74,8 @@ class SpecEngine:
     def measure_costs(self, context: list[int], gamma_max: int) -> CostModel:
         """Time target forwards over 1 up to the widest step's tokens once (a few dozen forwards)."""
         if self.cost_model is None:
-            widths = {g: self.drafter.shape(g).width if g else 0 for g in range(gamma_max + 1)}  # a tree verifies its nodes
-            top = max(widths.values()) + 1
-            ks = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= top} | {top})
-            times = measure_forward_times(self.target, context[-256:], ks, repeats=3, graphs=self.graphs)
+            widths = verify_widths(self.drafter, gamma_max)
+            times = measure_forward_times(self.target, context[-256:], forward_sizes(widths), repeats=3, graphs=self.graphs)
             self.cost_model = CostModel(verify_ratios(times), times[1], widths)
         return self.cost_model
 

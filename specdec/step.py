@@ -21,6 +21,7 @@ step without stalling the device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -46,12 +47,15 @@ KEPT, ACCEPTED, DRAFTED, NODES, FINISH = range(5)
 
 def entry_point(method: Callable) -> Callable:
     """A Stepper entry point: no autograd (grad mode is per thread, and on in the server's decode
-    thread), and PyTorch's own operations on one thread while the CPU kernels keep theirs
-    (cpu_gemm.kernels_own_threads; it changes nothing on a GPU)."""
+    thread), PyTorch's own operations on one thread while the CPU kernels keep theirs
+    (cpu_gemm.kernels_own_threads; it changes nothing on a GPU), and on a GPU the batch's device current
+    (streams, graph captures and Triton launches go to the current device, which a new thread sets to
+    cuda:0)."""
     @functools.wraps(method)
-    def run(*args, **kwargs):
-        with torch.inference_mode(), cpu_gemm.kernels_own_threads():
-            return method(*args, **kwargs)
+    def run(self, *args, **kwargs):
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with torch.inference_mode(), cpu_gemm.kernels_own_threads(), device:
+            return method(self, *args, **kwargs)
 
     return run
 
@@ -297,6 +301,13 @@ def sample_first(batch: RowBatch, index: Tensor, logits: Tensor, greedy: bool) -
     return first
 
 
+def step_shape(drafter: Drafter, gamma: int) -> tuple[int, DraftShape]:
+    """(the gamma a step really runs, its draft shape): 0 and an empty shape where the drafter proposes
+    nothing at this gamma."""
+    shape = drafter.shape(gamma) if gamma else DraftShape(0, 0)
+    return (gamma, shape) if shape.width else (0, DraftShape(0, 0))
+
+
 class Stepper:
     """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill` (whole
     prompts), or with `start_prefill` and then `prefill_chunk` between steps (a long prompt read while
@@ -399,8 +410,7 @@ class Stepper:
         with an observer, or when asked)."""
         t = time.perf_counter()
         batch, drafter = self.batch, self.drafter
-        gamma = gamma if drafter.shape(gamma).width else 0
-        shape = drafter.shape(gamma) if gamma else DraftShape(0, 0)
+        gamma, shape = step_shape(drafter, gamma)
         any_sampled, max_top_k = batch.sampling_mode()
         batch.sampling.max_top_k = max_top_k
         watch = Stopwatch(self.device)
@@ -439,12 +449,11 @@ class Stepper:
             return 0
         new, bound = 0, self.batch.sampling.max_top_k
         self.batch.sampling.max_top_k = 0
-        for gamma in gammas:
-            gamma = gamma if self.drafter.shape(gamma).width else 0
+        for gamma, shape in {step_shape(self.drafter, g) for g in gammas}:
             for any_sampled in (False, True):
                 key = (gamma, any_sampled, 0)
                 if key not in self.captured:
-                    self.capture(key, self.drafter.shape(gamma) if gamma else DraftShape(0, 0))
+                    self.capture(key, shape)
                     new += 1
         self.batch.sampling.max_top_k = bound
         return new

@@ -100,7 +100,6 @@ class AttentionConfig:
     num_stages: int = 2
 
 
-
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host. triton.cdiv and triton.next_power_of_2 are constexpr functions since
     Triton 3.5: 2-6 us a call from host code, ~10 calls per GEMM launch, which an eager forward pays."""
@@ -110,6 +109,7 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (0 for 0), for the host (see cdiv)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
 
 # (kind, rows per accumulator, K, dtype) -> tiling measured best on an H100/H200; others use pick_gemm_config.
 # kind: "plain" (o_proj, down, lm_head), "silu" (gate_up; rows = I), "qkv" (rows = (H + 2 Hkv) * Dh / 2).

@@ -110,7 +110,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.models import load_model
     from specdec.models.llama import LlamaModel
     from specdec.server.app import AppSettings, create_app
-    from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs, verify_widths
+    from specdec.adaptive import verify_widths
+    from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
     from specdec.models.tensor_parallel import join_group
     from specdec.server.mirror import MirroredOps, follow
     from specdec.server.scheduler import BatchOps, Codec, Scheduler, SchedulerConfig

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.adaptive import expected_tokens
+from specdec.adaptive import expected_tokens, forward_sizes
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
@@ -128,10 +128,8 @@ def measure_batch_costs(target, batch_sizes: list[int], ks: list[int], context: 
 def cost_grid(max_batch: int, widths: dict[int, int]) -> tuple[list[int], list[int]]:
     """(batch sizes, tokens per row) to measure: powers of two up to max_batch, k from 1 to the widest
     step's tokens (widths: gamma -> draft tokens verified per row)."""
-    top = max(widths.values()) + 1
     sizes = sorted({b for b in MEASURED_BATCH_SIZES if b <= max_batch} | {max_batch})
-    ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32) if k <= top} | {top})
-    return sizes, ks
+    return sizes, forward_sizes(widths)
 
 
 @dataclass
@@ -217,11 +215,6 @@ class SpecPolicy:
         if self.costs is not None:
             out["forward_seconds"] = self.costs.to_dict()
         return out
-
-
-def verify_widths(drafter, gamma: int) -> dict[int, int]:
-    """gamma -> the draft tokens a row verifies at that gamma: gamma for a chain, a tree's nodes."""
-    return {g: drafter.shape(g).width if g else 0 for g in range(gamma + 1)}
 
 
 def check_policy(name: str, gamma: int, threshold: int) -> None:

@@ -378,8 +378,6 @@ class Scheduler:
     # ---- the decode thread --------------------------------------------------------------------
 
     def loop(self) -> None:
-        if self.batch.device.type == "cuda":  # the thread's streams, launches and captures go to the model's GPU
-            torch.cuda.set_device(self.batch.device)
         try:
             self.capture_steps()
         finally:
