@@ -413,6 +413,51 @@ def test_concurrent_requests_equal_single_greedy_decodes(model, server):
     assert after["specdec_accepted_tokens_total"] > before["specdec_accepted_tokens_total"]  # and speculation paid
 
 
+def test_a_pipelined_step_that_finishes_rows_while_the_bucket_shrinks(model, tmp_path, monkeypatch, caplog):
+    """With steps pipelined (as under CUDA graphs; forced here on the CPU), the read of the step in flight
+    before a smaller bucket's step may finish rows: the next step must be planned on the rows left. Rows
+    in slots 0, 1, 2 take one token per step (policy off); slot 2 finishes one step before slot 0, so the
+    bucket shrinks from 4 to 2 while the step that finishes slot 0 is in flight. The step was planned on
+    the slots from before that read, failed on slot 0 and fell back to row by row."""
+    from specdec.step import Stepper
+
+    build = Stepper.__init__
+
+    def pipelined(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.pipelined = True
+
+    monkeypatch.setattr(Stepper, "__init__", pipelined)
+    draft = tiny_pair(tmp_path, "llama", seed=1, logit_scale=8.0, num_hidden_layers=1)[0]
+    scheduler = make_scheduler(model, policy="off", drafter=make_drafter("draft_model", model, draft))
+    lengths = [9, 30, 8]
+    outputs = {i: [] for i in range(len(lengths))}
+    finished = threading.Semaphore(0)
+
+    def emit_to(i: int):
+        def emit(event: Event) -> None:
+            outputs[i].extend(event.token_ids)
+            if event.final:
+                finished.release()
+        return emit
+
+    scheduler.start()
+    try:
+        scheduler.pause()  # all three join one batch, in slots 0, 1, 2
+        for i, n in enumerate(lengths):
+            ids = model.tokenizer(PROMPTS[i])["input_ids"]
+            scheduler.submit(GenerationRequest(ids, n, SamplingParams(temperature=0.0), (), emit_to(i)))
+        scheduler.resume()
+        assert all(finished.acquire(timeout=60) for _ in lengths)
+    finally:
+        scheduler.stop()
+    assert scheduler.ops.stepper(4).pipelined
+    assert "step failed" not in caplog.text
+    expected = SpecEngine(model, "none").generate([model.tokenizer(p)["input_ids"] for p in PROMPTS[:3]],
+                                                  SpecConfig(max_new_tokens=30))
+    assert [outputs[i] for i in outputs] == [row.token_ids[:n] for row, n in zip(expected.rows, lengths)]
+
+
 def test_disconnect_cancels_the_request_and_frees_its_row(server):
     url, scheduler = server
     before = metrics(url)

@@ -13,7 +13,7 @@ from specdec.server.app import SamplingFields
 from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
                                   check_targets, fixed_sampling, plan_request, run_load, sample_memory, sampling_fields,
                                   write_report)
-from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics
+from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
 
@@ -59,7 +59,7 @@ def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     assert set(level.sampling) == {s.name for s in SAMPLING_MIX}
     assert sum(counts.get("disconnected", 0) for counts in level.sampling.values()) == 3
     assert [m.requests_done for m in level.memory] == [0, 12] and level.rss_growth_mib is not None
-    assert level.gpu_reserved_growth_mib is None  # no CUDA here
+    assert (level.gpu_reserved_growth_mib is None) == (read_cuda_memory() == [])  # measured where CUDA holds memory
 
 
 def test_requests_spread_disconnects_and_meet_every_sampling_set():
@@ -115,7 +115,8 @@ def test_targets_come_from_the_measured_levels():
 def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):
     import specdec.server.metrics as metrics
 
-    assert "specdec_cuda_memory" not in ServerMetrics().render(0, 0, "on")  # none on the CPU
+    monkeypatch.setattr(metrics, "read_cuda_memory", lambda: [])
+    assert "specdec_cuda_memory" not in ServerMetrics().render(0, 0, "on")  # none where CUDA holds no memory
     devices = [CudaMemory(0, 3 << 20, 8 << 20), CudaMemory(1, 1 << 20, 2 << 20)]
     monkeypatch.setattr(metrics, "read_cuda_memory", lambda: devices)
     scraped = parse_metrics(ServerMetrics().render(0, 0, "on"))

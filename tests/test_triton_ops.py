@@ -507,7 +507,7 @@ def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
         return triton_ops.linear(h.reshape(B * T, D).contiguous(), lm_head.weight, out_dtype=torch.float32,
                                  config=config).view(B, T, -1)
 
-    monkeypatch.setattr(kernels, "logits_exact", logits_by_rows)
+    monkeypatch.setattr(kernels, "logits_exact", kernels.on_tensor_device(logits_by_rows))  # as the one it replaces
     assert block_mismatches(exact_model) != []
     assert batch_mismatches(exact_model, 3) != []
 

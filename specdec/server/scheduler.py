@@ -494,12 +494,15 @@ class Scheduler:
         the host reads step n and hands its tokens out while the device runs step n+1; else none. A row
         that finishes or leaves meanwhile is masked on the device or skipped when its step is read; a
         different bucket reads the other's steps first."""
+        n = self.bucket()
+        if self.launched and self.launched[0].n != n:
+            self.drain()  # reading the launched steps may finish rows: decide on the rows left
+            if not self.running:
+                return
+            n = self.bucket()
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
         gamma = self.policy.choose([self.running[s].acceptance for s in drafting]) if drafting else 0
-        n = bucket_for(slots[-1] + 1, self.config.max_batch)
-        if self.launched and self.launched[0].n != n:
-            self.drain()
         try:
             start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
@@ -513,6 +516,10 @@ class Scheduler:
             slots = sorted(self.running)
             self.absorb_reports(self.step_rows_alone(n, slots, gamma), gamma)
             self.remove_finished()
+
+    def bucket(self) -> int:
+        """The smallest bucket holding every running row's slot."""
+        return bucket_for(max(self.running) + 1, self.config.max_batch)
 
     def read_oldest(self) -> None:
         """Read the oldest launched step and hand its tokens out."""
