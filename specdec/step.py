@@ -36,8 +36,10 @@ from torch import Tensor
 from specdec.batch import FINISH_CODES, Request, Row, RowBatch, append, budgets, cut_at_stop_string
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens
+from specdec.graphs import PrefillGraphs, prefill_graph_tokens
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
+from specdec.models.kernels import kernel_path
 from specdec.sampling import logits_to_probs, sample, uniforms
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
@@ -276,7 +278,8 @@ class Prefill:
     index: Tensor  # [n] their slots, in that order
     lengths: list[int]  # their prompt lengths, non-increasing
     chunk: int | None  # the most tokens (rows x positions) one forward reads; None: whole prompts at once
-    scratch: KVCache  # n rows of lengths[0] slots
+    scratch: KVCache  # n rows of lengths[0] slots (or more: a captured shape's, see `graph`)
+    graph: tuple[int, int] | None  # the PrefillGraphs shape that reads the whole prompts in one replay, if any
     hidden: Tensor | None = None  # [n, lengths[0], Dm] (allocated by the first chunk, in the target's dtype)
     done: int = 0  # prompt positions read by every row still reading
     left: int = field(init=False)  # rows still reading: rows[:left]
@@ -301,6 +304,16 @@ def sample_first(batch: RowBatch, index: Tensor, logits: Tensor, greedy: bool) -
     return first
 
 
+def graphs_prefill(target) -> bool:
+    """Whether the target's whole-prompt prefills run as CUDA graphs (PrefillGraphs): a native model (with
+    a shard), on the exact kernels (the padding would change a library kernel's bits), unsharded (a
+    tensor-parallel prefill stays eager), whose keys and values for MIN_SPAN tokens fit the budget."""
+    shard = getattr(target, "shard", None)
+    if shard is None or shard.parallel or not kernel_path(target).exact:
+        return False
+    return prefill_graph_tokens(target) > 0
+
+
 def step_shape(drafter: Drafter, gamma: int) -> tuple[int, DraftShape]:
     """(the gamma a step really runs, its draft shape): 0 and an empty shape where the drafter proposes
     nothing at this gamma."""
@@ -323,6 +336,7 @@ class Stepper:
         self.pipelined = graphs and drafter.graphable  # a host drafter's propose needs the last step's outcome
         self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.prefill_graphs = PrefillGraphs(target) if graphs and graphs_prefill(target) else None
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
@@ -351,20 +365,27 @@ class Stepper:
         index = torch.tensor([slots[i] for i in order], device=self.device)  # [n]
         batch.active[index] = False
         lengths = [len(requests[i].prompt) for i in order]
-        return Prefill([rows[i] for i in order], index, lengths, chunk, self.target.new_cache(len(rows), lengths[0]))
+        whole = chunk is None or lengths[0] * len(rows) <= chunk  # one forward reads every prompt
+        graph = self.prefill_graphs.shape(len(rows), lengths[0]) if self.prefill_graphs and whole else None
+        scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
+        return Prefill([rows[i] for i in order], index, lengths, chunk, scratch, graph)
 
     @entry_point
     def prefill_chunk(self, prefill: Prefill) -> list[Row]:
         """Read the next positions of the prompts still being read, in one forward of at most prefill.chunk
         tokens (rows x positions). The rows whose prompt this chunk ends join the batch (see join_read) and
-        are returned. Runs eagerly, between steps."""
+        are returned. Runs between steps: a replay where one captured forward reads the whole prompts
+        (PrefillGraphs), else eagerly."""
         p, dev = prefill, self.device
         m, start = p.left, p.done
         width = p.lengths[0] - start if p.chunk is None else min(p.lengths[0] - start, p.chunk // m)
         block = self.batch.tokens[p.index[:m], start : start + width]  # [m, w]
-        positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
         last = (torch.tensor(p.lengths[:m], device=dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
-        out = self.target(block, positions, p.scratch.head(m), logits_at=last)
+        if p.graph is not None:  # the whole prompts, in one replay
+            out = self.prefill_graphs.forward(p.graph, block, last)
+        else:
+            positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
+            out = self.target(block, positions, p.scratch.head(m), logits_at=last)
         if p.hidden is None:
             p.hidden = out.hidden.new_empty(len(p.rows), p.lengths[0], out.hidden.shape[-1])  # [n, T, Dm]
         p.hidden[:m, start : start + width] = out.hidden
@@ -457,6 +478,17 @@ class Stepper:
                     new += 1
         self.batch.sampling.max_top_k = bound
         return new
+
+    @entry_point
+    def capture_prefills(self, max_rows: int) -> int:
+        """Capture now the whole-prompt prefills of up to max_rows rows (PrefillGraphs.shapes), so that no
+        request waits for a capture; how many were new."""
+        if self.prefill_graphs is None:
+            return 0
+        new = [shape for shape in self.prefill_graphs.shapes(max_rows) if shape not in self.prefill_graphs.graphs]
+        for shape in new:
+            self.prefill_graphs.capture(shape)
+        return len(new)
 
     def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch | None = None,
                    observe: bool = False) -> StepOutput:

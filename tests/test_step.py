@@ -23,6 +23,7 @@ from specdec.drafters import DrafterOptions, build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
 from specdec.drafters.medusa import DEFAULT_TREE, MedusaDrafter, MedusaTree
+from specdec.graphs import PrefillGraphs
 from specdec.kv_cache import KVCache
 from specdec.step import new_stepper
 from test_eagle import random_head
@@ -125,6 +126,50 @@ def test_graph_replay_equals_eager_steps(models, name, temperature):  # noqa: F8
     eager = specdec.SpecEngine(target, drafter, graphs=False).generate(PROMPTS, config)
     assert [r.token_ids for r in graphed.rows] == [r.token_ids for r in eager.rows]
     assert graphed.stats.accepted == eager.stats.accepted
+
+
+def test_prefill_graph_shapes_pad_to_powers_of_two_within_the_budget():
+    graphs = PrefillGraphs.__new__(PrefillGraphs)
+    graphs.max_tokens = 4096
+    assert graphs.shape(3, 35) == (4, 64) and graphs.shape(1, 5) == (1, 16) and graphs.shape(64, 64) == (64, 64)
+    assert graphs.shape(64, 65) is None and graphs.shape(1, 4097) is None  # past the budget: eager
+    shapes = graphs.shapes(6)
+    assert (8, 512) in shapes and (16, 16) not in shapes and all(R * S <= 4096 for R, S in shapes)
+    assert all(graphs.shape(rows, longest) in shapes for rows in range(1, 7) for longest in (1, 16, 17, 500))
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")
+def test_a_graphed_prefill_is_bitwise_the_eager_one(models, monkeypatch):  # noqa: F811
+    """A whole-prompt prefill replays a graph padded to R rows x S positions (here 3 prompts of 7, 35 and 2
+    tokens as 4 x 64); the exact kernels keep every real row's bits: the logits its first token comes from,
+    the hidden states a drafter reads, and the keys and values left in its slots. (A graph's positions
+    buffer, once not held, was reused by later allocations: the first rows' later positions then differed.)"""
+    from specdec.step import Stepper
+
+    target, _, _ = models
+    prompts = [PROMPTS[0], PROMPTS[2] + PROMPTS[0] * 3, PROMPTS[1]]
+    seen, caches = [], []
+    join = Stepper.join_read
+
+    def spy(self, prefill, lo, hi, logits):
+        seen.append((prefill.graph, prefill.hidden.clone(), logits.clone()))
+        return join(self, prefill, lo, hi, logits)
+
+    monkeypatch.setattr(Stepper, "join_read", spy)
+    for graphs in (True, False):
+        stepper = new_stepper(target, build_drafter("none", target), 4, 128, list(eos_ids(target)), graphs=graphs)
+        if graphs:  # captured ahead, then other work reuses whatever memory the capture let go
+            assert stepper.capture_prefills(4) > 0
+            churn = [torch.full((1 << 12,), 7, device=DEVICE) for _ in range(256)]
+            del churn
+        stepper.prefill([0, 1, 2], [Request(p, 8) for p in prompts])
+        caches.append(stepper.cache)
+    (graph, hidden, logits), (eager, eager_hidden, eager_logits) = seen
+    assert graph == (4, 64) and eager is None
+    assert torch.equal(hidden, eager_hidden) and torch.equal(logits, eager_logits)
+    for slot, prompt in enumerate(prompts):
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            assert torch.equal(a[:, slot, :, : len(prompt)], b[:, slot, :, : len(prompt)])
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft_model", "eagle", "medusa"])

@@ -218,8 +218,10 @@ class BatchOps:
         return self.steppers[n]
 
     def capture_shapes(self, gammas: list[int]) -> int:
-        """Capture every bucket's steps at these gammas now (Stepper.capture_shapes); how many were new."""
-        return sum(self.stepper(n).capture_shapes(gammas) for n in self.buckets())
+        """Capture every bucket's steps at these gammas now (Stepper.capture_shapes), and the whole-prompt
+        prefills of up to a full batch of rows (Stepper.capture_prefills); how many were new."""
+        steps = sum(self.stepper(n).capture_shapes(gammas) for n in self.buckets())
+        return steps + self.full.capture_prefills(self.batch.capacity)
 
     def buckets(self) -> list[int]:
         return sorted({b for b in BUCKETS if b < self.batch.capacity} | {self.batch.capacity})
@@ -387,9 +389,10 @@ class Scheduler:
             self.turn()
 
     def capture_steps(self) -> None:
-        """With CUDA graphs: capture each bucket's steps at every gamma the policy may choose, at start and
-        after a policy switch, before they are needed: a capture in the middle of serving stalls every
-        running row (eager warm-up passes, then the captures), and `cost` moves between gammas."""
+        """With CUDA graphs: capture each bucket's steps at every gamma the policy may choose, and the
+        whole-prompt prefills, at start and after a policy switch, before they are needed: a capture in the
+        middle of serving stalls every running row (eager warm-up passes, then the captures), and `cost`
+        moves between gammas."""
         wanted = (self.policy.name, self.policy.gamma)
         if not self.full.graphs or wanted == self.captured_for:
             return
@@ -402,7 +405,7 @@ class Scheduler:
             log.exception("capturing the step graphs failed; each is captured when first needed instead")
             return
         if new:
-            log.info(f"captured {new} step graphs for policy {self.policy.name} in {time.perf_counter() - t:.1f} s")
+            log.info(f"captured {new} step and prefill graphs for policy {self.policy.name} in {time.perf_counter() - t:.1f} s")
 
     def turn(self) -> None:
         """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready.
