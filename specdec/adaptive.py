@@ -10,29 +10,68 @@ Policies (per row of a batch):
   estimate (conditional: alpha_j = P(draft j accepted | drafts before it were)), and
   cost(gamma) = gamma * c + r(w(gamma) + 1) from the measured verify ratio r, draft cost c per level
   and w(gamma) the draft tokens verified per row (gamma for a chain; a tree's nodes down to depth
-  gamma, which a compute-bound target pays for one by one).
+  gamma, which a compute-bound target pays for one by one), until the engine has measured whole
+  steps of that gamma (StepSeconds, shared with the server's policy): a tree's verification on a CPU
+  costs more than its forward, and predicting from forwards alone kept Medusa drafting out of domain.
 A fixed gamma is the `fixed` policy.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specdec.costs import interpolate
 from specdec.errors import UserError
 
 POLICIES = ("fixed", "heuristic", "confidence", "cost")
+STEP_SAMPLES = 5  # steps of one shape before its measured time replaces the prediction
+
+
+@dataclass
+class StepSeconds:
+    """What whole steps cost, as measured, for the cost policies of the engine and the server: by shape
+    (B rows, gamma), the median of a shape's last steps once STEP_SAMPLES of them ran, else `predict`'s
+    seconds scaled by how far this batch size's measured shapes exceeded their predictions (host work,
+    tree masks and verification bookkeeping, which timing forwards alone misses). A plain step (gamma 0)
+    is scaled only by plain steps measured: what drafting steps add may be theirs alone (a tree's
+    bookkeeping), and a policy that keeps drafting never measures a plain step to correct a plain step
+    priced too high; one priced too low is chosen, so measured, and corrected."""
+
+    seen: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, gamma) -> last step seconds
+    overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
+    plain_overhead: dict[int, float] = field(default_factory=dict)  # B -> the same over plain steps
+
+    def observe(self, B: int, gamma: int, seconds: float, predict: Callable[[int, int], float]) -> None:
+        self.seen.setdefault((B, gamma), deque(maxlen=4 * STEP_SAMPLES)).append(seconds)
+        ratios = {g: statistics.median(v) / predict(b, g) for (b, g), v in self.seen.items() if b == B}
+        self.overhead[B] = statistics.median(ratios.values())
+        if 0 in ratios:
+            self.plain_overhead[B] = ratios[0]
+
+    def seconds(self, B: int, gamma: int, predict: Callable[[int, int], float]) -> float:
+        seen = self.seen.get((B, gamma))
+        if seen is not None and len(seen) >= STEP_SAMPLES:
+            return statistics.median(seen)
+        scale = self.overhead if gamma else self.plain_overhead
+        return predict(B, gamma) * scale.get(B, 1.0)
 
 
 @dataclass
 class CostModel:
-    """Measured costs in units of one plain target step: r(k) for a k-token forward, c per draft token."""
+    """An engine's step costs in units of one plain target step: predicted from r(k) for a k-token forward
+    and c per draft token, then measured (`steps`, whole steps by batch size and gamma, kept across the
+    engine's calls)."""
 
     verify_ratio: dict[int, float]  # k -> r(k)
     t1: float  # seconds of a 1-token target forward
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_s_per_token: float = 0.0  # running mean
     draft_tokens: int = 0
+    steps: StepSeconds = field(default_factory=StepSeconds)
+    rows: int = 1  # the batch size the next steps run at
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
@@ -44,8 +83,16 @@ class CostModel:
     def c(self) -> float:
         return self.draft_s_per_token / self.t1
 
-    def step_cost(self, gamma: int) -> float:
+    def predicted_cost(self, B: int, gamma: int) -> float:
+        """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B)."""
         return gamma * self.c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
+
+    def step_cost(self, gamma: int) -> float:
+        return self.steps.seconds(self.rows, gamma, self.predicted_cost)
+
+    def observe_step(self, gamma: int, seconds: float) -> None:
+        """A whole step of `rows` rows at `gamma` took `seconds` (drafting, verifying and committing)."""
+        self.steps.observe(self.rows, gamma, seconds / self.t1, self.predicted_cost)
 
 
 def verify_widths(drafter, gamma_max: int) -> dict[int, int]:

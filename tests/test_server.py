@@ -23,7 +23,8 @@ from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
-from specdec.server.policy import EXPLORE_EVERY, STEP_SAMPLES, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.adaptive import STEP_SAMPLES
+from specdec.server.policy import EXPLORE_EVERY, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
@@ -617,7 +618,7 @@ def test_cost_policy_decides_from_measured_step_times():
     rows = rows_accepting(3, 1)
     for _ in range(STEP_SAMPLES):
         policy.observe_step_time(1, 0, 2.0)  # every step takes twice its forward (host work, say)
-    assert policy.overhead[1] == pytest.approx(2.0)
+    assert policy.steps.overhead[1] == pytest.approx(2.0)
     assert policy.step_seconds(1, 2) == pytest.approx(2 * policy.predicted_step_s(1, 2))  # unmeasured: scaled
     assert policy.choose(rows) == 3  # the same overhead everywhere changes nothing
     for _ in range(STEP_SAMPLES):

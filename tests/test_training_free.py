@@ -12,7 +12,7 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import CostModel, GammaPolicy, best_gamma, expected_tokens
+from specdec.adaptive import STEP_SAMPLES, CostModel, GammaPolicy, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -157,6 +157,36 @@ def test_best_gamma_prices_a_tree_by_the_nodes_it_verifies():
     assert best_gamma(alphas, chain) > 0
     assert best_gamma(alphas, tree) == 0
     assert tree.step_cost(3) == pytest.approx(3 * 0.1 + linear[11])
+
+
+def test_best_gamma_follows_measured_whole_steps():
+    """A step costs more than its forward (a CPU tree's masks and verification): measured steps scale the
+    predictions of the drafting gammas (at once) and replace a gamma's once STEP_SAMPLES ran; a plain
+    step keeps its prediction until plain steps are measured. From timed forwards alone a drafting step
+    looked nearly free (Medusa kept drafting out of domain)."""
+    cheap = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, t1=0.05, draft_s_per_token=0.001, draft_tokens=10)
+    alphas = [0.15] * 3
+    assert best_gamma(alphas, cheap) > 0  # predicted: 15 % acceptance pays for a 2 % dearer step
+    cheap.observe_step(1, 0.05 * 1.25)  # measured: a quarter of a step more
+    scale = 1.25 / cheap.predicted_cost(1, 1)
+    assert cheap.step_cost(2) == pytest.approx(cheap.predicted_cost(1, 2) * scale)
+    assert cheap.step_cost(0) == pytest.approx(1.0)  # no plain step measured: its prediction
+    assert best_gamma(alphas, cheap) == 0
+    for _ in range(STEP_SAMPLES):
+        cheap.observe_step(0, 0.05 * 1.1)
+        cheap.observe_step(2, 0.05 * 1.15)
+    assert cheap.step_cost(0) == pytest.approx(1.1) and cheap.step_cost(2) == pytest.approx(1.15)
+    assert best_gamma([0.3] * 3, cheap) == 2  # plain steps dearer than predicted too: drafting pays again
+    cheap.rows = 4  # another batch size starts from its predictions
+    assert cheap.step_cost(1) == pytest.approx(cheap.predicted_cost(4, 1))
+
+
+def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
+    engine = specdec.SpecEngine(tiny, "ngram")
+    engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, specdec.SpecConfig(max_new_tokens=24, gamma_policy="cost", gamma_max=3))
+    seen = engine.cost_model.steps.seen
+    assert seen and all(B == 2 for B, _ in seen) and sum(len(v) for v in seen.values()) > 5
+
 
 def test_heuristic_policy_steps():
     policy = GammaPolicy("heuristic", gamma=3, gamma_max=6)

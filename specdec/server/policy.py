@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.adaptive import expected_tokens, forward_sizes
+from specdec.adaptive import StepSeconds, expected_tokens, forward_sizes
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
 SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
 MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-STEP_SAMPLES = 5  # steps of one shape before its measured time replaces the prediction
 EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again (at first)
 EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed nothing
 
@@ -144,8 +142,7 @@ class SpecPolicy:
     overall: Acceptance = field(init=False)
     draft_s_per_row: float = 0.0  # running mean of drafter seconds per row-step
     draft_samples: int = 0
-    step_s: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, g) -> last whole-step seconds
-    overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
+    steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
     idle_steps: int = 0  # consecutive `cost` choices of gamma 0
     explore_after: int = EXPLORE_EVERY  # idle steps before the next exploration
 
@@ -189,18 +186,13 @@ class SpecPolicy:
 
     def step_seconds(self, B: int, g: int) -> float:
         """S(B, g): measured where STEP_SAMPLES steps of this shape ran, else predicted (module docstring)."""
-        seen = self.step_s.get((B, g))
-        if seen is not None and len(seen) >= STEP_SAMPLES:
-            return statistics.median(seen)
-        return self.predicted_step_s(B, g) * self.overhead.get(B, 1.0)
+        return self.steps.seconds(B, g, self.predicted_step_s)
 
     def observe_step_time(self, B: int, g: int, seconds: float) -> None:
         """The wall time of a step of B rows that drafted g tokens each (cost only: it needs predictions)."""
         if self.costs is None:
             return
-        self.step_s.setdefault((B, g), deque(maxlen=4 * STEP_SAMPLES)).append(seconds)
-        ratios = [statistics.median(v) / self.predicted_step_s(b, k) for (b, k), v in self.step_s.items() if b == B]
-        self.overhead[B] = statistics.median(ratios)
+        self.steps.observe(B, g, seconds, self.predicted_step_s)
 
     def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float) -> None:
         self.overall.decay(self.decay)
