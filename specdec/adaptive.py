@@ -35,11 +35,16 @@ class StepSeconds:
     """What whole steps cost, as measured, for the cost policies of the engine and the server: by shape
     (B rows, gamma), the median of a shape's last steps once STEP_SAMPLES of them ran, else `predict`'s
     seconds scaled by how far this batch size's measured shapes exceeded their predictions (host work,
-    tree masks and verification bookkeeping, which timing forwards alone misses). A plain step (gamma 0)
-    is scaled only by plain steps measured: what drafting steps add may be theirs alone (a tree's
-    bookkeeping), and a policy that keeps drafting never measures a plain step to correct a plain step
-    priced too high; one priced too low is chosen, so measured, and corrected."""
+    tree masks and verification bookkeeping, which timing forwards alone misses).
 
+    `plain_alike`: whether a plain step (gamma 0) not measured yet is scaled like the others. The server
+    times whole steps with its host work, which every step pays: yes. The engine times a step's drafting
+    and verifying only, which for a plain step is its forward, predicted as measured: what its drafting
+    steps add beyond their forwards is theirs alone (a tree's bookkeeping). Scaled by that, a plain step
+    looked dearer than it was, and a policy that keeps drafting never measures one to correct it (the
+    engine drafted Medusa out of domain in 76 % of its steps); one priced too low is chosen, so measured."""
+
+    plain_alike: bool = True
     seen: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, gamma) -> last step seconds
     overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
     plain_overhead: dict[int, float] = field(default_factory=dict)  # B -> the same over plain steps
@@ -55,7 +60,7 @@ class StepSeconds:
         seen = self.seen.get((B, gamma))
         if seen is not None and len(seen) >= STEP_SAMPLES:
             return statistics.median(seen)
-        scale = self.overhead if gamma else self.plain_overhead
+        scale = self.overhead if gamma or self.plain_alike else self.plain_overhead
         return predict(B, gamma) * scale.get(B, 1.0)
 
 
@@ -70,7 +75,7 @@ class CostModel:
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_s_per_token: float = 0.0  # running mean
     draft_tokens: int = 0
-    steps: StepSeconds = field(default_factory=StepSeconds)
+    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # timed by phase
     rows: int = 1  # the batch size the next steps run at
 
     def observe_draft(self, seconds: float, tokens: int) -> None:

@@ -12,7 +12,7 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import STEP_SAMPLES, CostModel, GammaPolicy, best_gamma, expected_tokens
+from specdec.adaptive import STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -161,8 +161,8 @@ def test_best_gamma_prices_a_tree_by_the_nodes_it_verifies():
 
 def test_best_gamma_follows_measured_whole_steps():
     """A step costs more than its forward (a CPU tree's masks and verification): measured steps scale the
-    predictions of the drafting gammas (at once) and replace a gamma's once STEP_SAMPLES ran; a plain
-    step keeps its prediction until plain steps are measured. From timed forwards alone a drafting step
+    predictions of the drafting gammas (at once) and replace a gamma's once STEP_SAMPLES ran; in the
+    engine, which times steps by phase, a plain step keeps its prediction until plain steps are measured. From timed forwards alone a drafting step
     looked nearly free (Medusa kept drafting out of domain)."""
     cheap = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, t1=0.05, draft_s_per_token=0.001, draft_tokens=10)
     alphas = [0.15] * 3
@@ -179,6 +179,9 @@ def test_best_gamma_follows_measured_whole_steps():
     assert best_gamma([0.3] * 3, cheap) == 2  # plain steps dearer than predicted too: drafting pays again
     cheap.rows = 4  # another batch size starts from its predictions
     assert cheap.step_cost(1) == pytest.approx(cheap.predicted_cost(4, 1))
+    server = StepSeconds()  # the server times whole steps, host work and all: a plain step pays it too
+    server.observe(1, 2, 2.5, lambda B, g: 1.0 + g / 2)
+    assert server.seconds(1, 0, lambda B, g: 1.0 + g / 2) == pytest.approx(1.25)
 
 
 def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
