@@ -46,20 +46,23 @@ class StepSeconds:
 
     plain_alike: bool = True
     seen: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, gamma) -> last step seconds
+    median: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, gamma) -> median of seen
     overhead: dict[int, float] = field(default_factory=dict)  # B -> measured / predicted step seconds
     plain_overhead: dict[int, float] = field(default_factory=dict)  # B -> the same over plain steps
 
     def observe(self, B: int, gamma: int, seconds: float, predict: Callable[[int, int], float]) -> None:
-        self.seen.setdefault((B, gamma), deque(maxlen=4 * STEP_SAMPLES)).append(seconds)
-        ratios = {g: statistics.median(v) / predict(b, g) for (b, g), v in self.seen.items() if b == B}
+        """Once per step; `seconds` is asked once per row and gamma, so the medians are kept, not recomputed."""
+        seen = self.seen.setdefault((B, gamma), deque(maxlen=4 * STEP_SAMPLES))
+        seen.append(seconds)
+        self.median[B, gamma] = statistics.median(seen)
+        ratios = {g: m / predict(b, g) for (b, g), m in self.median.items() if b == B}
         self.overhead[B] = statistics.median(ratios.values())
         if 0 in ratios:
             self.plain_overhead[B] = ratios[0]
 
     def seconds(self, B: int, gamma: int, predict: Callable[[int, int], float]) -> float:
-        seen = self.seen.get((B, gamma))
-        if seen is not None and len(seen) >= STEP_SAMPLES:
-            return statistics.median(seen)
+        if len(self.seen.get((B, gamma), ())) >= STEP_SAMPLES:
+            return self.median[B, gamma]
         scale = self.overhead if gamma or self.plain_alike else self.plain_overhead
         return predict(B, gamma) * scale.get(B, 1.0)
 

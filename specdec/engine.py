@@ -10,7 +10,6 @@ so the host's bookkeeping overlaps the device's work.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -126,7 +125,6 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
     batch.confidence = config.confidence_threshold if config.gamma_policy == "confidence" else None
     in_flight = 1 if stepper.pipelined and observer is None else 0  # steps launched before reading one
     gammas: list[int] | None = None
-    launched: deque[int] = deque()  # the gamma of each step launched and not read yet
     shard = getattr(stepper.target, "shard", SINGLE)
     agree = shard.parallel and policy.cost is not None  # timed choices differ per rank: rank 0's are taken
     stepper.reset()
@@ -140,21 +138,20 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
                 gammas = chosen
                 batch.gamma[: len(gammas)] = torch.tensor(gammas)
             stepper.launch(max(gammas), observer)
-            launched.append(max(gammas))
             if len(stepper.in_flight) > in_flight:
-                observe(policy, stepper.read(), launched.popleft())
+                observe(policy, stepper.read())
         while stepper.in_flight:
-            observe(policy, stepper.read(), launched.popleft())
+            observe(policy, stepper.read())
         return rows, stepper.times
     finally:
         stepper.reset()
 
 
-def observe(policy: GammaPolicy, report, gamma: int) -> None:
-    """Tell the gamma policy what each row of a step launched at `gamma` drafted and kept, and what drafting
-    and the whole step cost."""
+def observe(policy: GammaPolicy, report) -> None:
+    """Tell the gamma policy what each row of a step drafted and kept, and what drafting and the whole step
+    (at the gamma it ran) cost."""
     for step in report.rows:
         policy.observe(step.row.slot, step.drafted, step.accepted)
     if policy.cost is not None:
         policy.cost.observe_draft(report.draft_s, sum(step.drafted for step in report.rows))
-        policy.cost.observe_step(gamma, report.draft_s + report.verify_s)
+        policy.cost.observe_step(report.gamma, report.draft_s + report.verify_s)

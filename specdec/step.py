@@ -233,6 +233,7 @@ class Launched:
     done: torch.cuda.Event | None
     watch: Stopwatch
     record: StepRecord | None
+    gamma: int  # what the step ran at (0 where the drafter proposed nothing at the gamma asked)
 
 
 @dataclass
@@ -250,6 +251,7 @@ class StepReport:
     rows: list[RowStep]
     draft_s: float  # this step's propose + commit time
     verify_s: float
+    gamma: int  # what the step ran at (Launched.gamma)
 
 
 @dataclass
@@ -454,7 +456,7 @@ class Stepper:
             out = captured.out
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None)
-        launched = self.copy_out(out, watch)
+        launched = self.copy_out(out, watch, gamma)
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)
@@ -536,15 +538,15 @@ class Stepper:
         self.captured[key] = Captured(graphs[0] if gamma and not host else None, graphs[1], None if host else graphs[2], out, static)
         return self.captured[key]
 
-    def copy_out(self, out: StepOutput, watch: Stopwatch) -> Launched:
+    def copy_out(self, out: StepOutput, watch: Stopwatch, gamma: int) -> Launched:
         if self.device.type != "cuda":
-            return Launched(out.packed.clone(), None, watch, out.record)
+            return Launched(out.packed.clone(), None, watch, out.record, gamma)
         spare = self.spare_host.get(tuple(out.packed.shape))
         host = spare.pop() if spare else torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
         host.copy_(out.packed, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return Launched(host, done, watch, out.record)
+        return Launched(host, done, watch, out.record, gamma)
 
     def read(self) -> StepReport:
         """Wait for the oldest launched step and hand its outcome to the rows."""
@@ -559,7 +561,7 @@ class Stepper:
         self.times.draft_s += draft_s
         self.times.verify_s += verify_s
         self.times.steps += 1
-        report = StepReport(self.absorb(launched.host.tolist()), draft_s, verify_s)
+        report = StepReport(self.absorb(launched.host.tolist()), draft_s, verify_s, launched.gamma)
         if launched.done is not None:  # read: its pinned buffer can take a later step's outcome
             self.spare_host.setdefault(tuple(launched.host.shape), []).append(launched.host)
         self.times.wait_s += waited - t

@@ -530,7 +530,7 @@ class Scheduler:
         report = self.ops.read(launch.n)
         now = time.perf_counter()
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
-            self.policy.observe_step_time(launch.rows, launch.gamma, now - max(launch.start, self.last_read))
+            self.policy.observe_step_time(launch.rows, report.gamma, now - max(launch.start, self.last_read))
             self.absorb_reports([report], launch.gamma)
         self.last_read = now
         self.remove_finished()
@@ -645,7 +645,7 @@ class Launch:
     """A step launched and not read yet."""
     n: int  # its stepper's slots (a bucket)
     rows: int
-    gamma: int
+    gamma: int  # as asked: the rows' draft budgets (the step reports the gamma it ran, for its time)
     start: float
 
 
