@@ -1,11 +1,24 @@
 """`draft_model`: a separate, smaller model with the target's vocabulary drafts k tokens
 autoregressively. Its own KV cache (one row per slot) is kept in step with the tokens the target kept.
 
-Cache bookkeeping per row, with L = tokens so far (the last one pending): at each proposal the draft
-cache is rolled back to L - 2 slots and fed the row's last two tokens (which after a fully accepted
-step include the last draft, never fed before), then drafts d1..dk, feeding d1..d(k-1). Everything
-before L - 2 is always valid: it holds tokens the target kept. A fixed two-token feed keeps the shapes
-static, so the whole proposal can be captured in a CUDA graph.
+Cache bookkeeping per row, with L = tokens so far (the last one pending): a proposal feeds the draft
+the row's tokens its cache lacks, up to the pending token, whose logits give d1, then drafts d1..dk,
+feeding d1..d(k-1) (each possibly rejected). Which tokens it feeds depends on the stepper (catch_up.py):
+
+- eager stepper (the CPU; `catches_up(batch)`), lazy: the cache length is what the draft has been fed
+  of the row's kept tokens. `join` feeds nothing (the prompt is the first gap); `propose` first feeds
+  every running row its tokens from its cache length to L - 1 (`catch_up`: the prompt, the token the
+  last step added beyond the drafts it fed, or whatever the steps at gamma 0 since its last draft added),
+  and leaves the cache at L; `commit` adds the accepted drafts the draft was fed (at most k - 1). A step
+  at gamma 0 runs no draft forward at all.
+- graphed stepper (CUDA graphs; batch.static): `join` runs the draft over the prompt; a proposal rolls
+  the cache back to L - 2 slots and feeds the row's last two tokens (which after a fully accepted step
+  include the last draft, never fed before). A fixed two-token feed keeps the shapes static, so the
+  whole proposal can be captured in a CUDA graph; but a step at gamma 0 feeds nothing, so after one the
+  slots between the last proposal's and L - 2 hold no keys and values of the row's tokens (stale or
+  zero entries the next drafts attend to). Verification keeps the output lossless; only acceptance
+  after a stretch at gamma 0 suffers. Not fixed there: it would cost a draft forward at every gamma-0
+  step, or a wider feed at every drafting step, neither measured on a GPU.
 
 Shared-embedding drafts (`specdec train draft`): a folder whose config.json says
 "specdec_shared_embeddings": true holds only the decoder layers and final norm (HF names, any float
@@ -24,8 +37,10 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
+from specdec.kv_cache import KVCache
 from specdec.models.linear import take_rows, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
 from specdec.models.views import follow_kernels
@@ -73,10 +88,16 @@ class DraftModelDrafter:
         return DraftShape(width=gamma, depth=gamma, lanes=gamma)
 
     def attach(self, batch) -> None:
-        batch.draft = self.draft.new_cache(batch.capacity, batch.max_len, static=batch.static)
+        """The draft's cache (lazy: with room for a catch-up's padding)."""
+        spare = SHORT_GAP if catches_up(batch) else 0
+        batch.draft = self.draft.new_cache(batch.capacity, batch.max_len + spare, static=batch.static)
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
-        """Run the draft over the new rows' prompts (into a scratch cache), then copy that into their slots."""
+        """Lazy: nothing fed yet. Eager: run the draft over the new rows' prompts (into a scratch cache), then
+        copy that into their slots."""
+        if catches_up(batch):
+            batch.draft.lengths[slots] = 0
+            return
         lengths = batch.prompt_length[slots]  # [n]
         T = hidden.shape[1]
         scratch = self.draft.new_cache(len(slots), T)
@@ -87,13 +108,10 @@ class DraftModelDrafter:
         batch.draft.lengths[slots] = lengths
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
-        cache, dev = batch.draft, batch.device
+        cache, lazy = batch.draft, catches_up(batch)
         L = batch.length.clamp(min=2)  # [B] (a prefilled row holds prompt + first token: L >= 2)
         known = cache.lengths.clone()  # [B]
-        cache.lengths.copy_(L - 2)
-        feed = batch.tokens.gather(1, L[:, None] - 2 + torch.arange(2, device=dev))  # [B, 2]
-        logits = self.draft(feed, L[:, None] - 2 + torch.arange(2, device=dev), cache,
-                            logits_at=torch.ones_like(L)).logits[:, -1]  # [B, V_draft]
+        logits = self.catch_up(batch) if lazy else self.feed_last_two(batch, L)  # [B, V_draft] at the pending token
         tokens, probs = [], []
         num_drafted = torch.full_like(L, gamma)  # [B]
         for i in range(gamma):
@@ -106,12 +124,42 @@ class DraftModelDrafter:
                 num_drafted = torch.where(unsure & (num_drafted > i), i, num_drafted)
             if i < gamma - 1:
                 logits = self.draft(token[:, None], (L + i)[:, None], cache).logits[:, -1]
-        cache.lengths.copy_(torch.where(batch.active, L - 2, known))  # what is known valid: drafts may be rejected
+        # what is known valid (drafts may be rejected): lazy, the row's tokens; eager, all but the last two
+        cache.lengths.copy_(torch.where(batch.active, L if lazy else L - 2, known))
         return Proposal(tokens=torch.stack(tokens, 1), q=None if u is None else torch.stack(probs, 1),
                         num_drafted=num_drafted)
 
+    def feed_last_two(self, batch, L: Tensor) -> Tensor:
+        """Eager state: roll the cache back to L - 2 and feed each row's last two tokens; [B, V_draft] logits
+        at the pending one."""
+        cache, dev = batch.draft, batch.device
+        cache.lengths.copy_(L - 2)
+        feed = batch.tokens.gather(1, L[:, None] - 2 + torch.arange(2, device=dev))  # [B, 2]
+        return self.draft(feed, L[:, None] - 2 + torch.arange(2, device=dev), cache,
+                          logits_at=torch.ones_like(L)).logits[:, -1]
+
+    def catch_up(self, batch) -> Tensor:
+        """Lazy state: feed every running row its tokens from its cache length to L - 1 (one forward for the
+        rows a step or a few behind, one per row further behind); [B, V_draft] logits at the pending token
+        (zeros for rows not running: they draft, masked, from nothing)."""
+        cache = batch.draft
+        gap = torch.where(batch.active, batch.length - cache.lengths, 0).clamp(min=0)  # [B] tokens to feed
+
+        def feed(view: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
+            tokens = batch.tokens[rows].gather(1, positions.clamp(max=batch.max_len - 1))  # [n, w]
+            return self.draft(tokens, positions, view, logits_at=last).logits[:, -1]  # [n, V_draft]
+
+        logits = feed_gaps(cache, gap, feed)
+        if logits is None:  # no row running: nothing to draft from
+            return torch.zeros(batch.capacity, self.draft.config.vocab_size, device=batch.device)
+        return logits
+
     def commit(self, batch, verified: Verified) -> None:
-        pass  # the next proposal rolls the cache back to what the target kept
+        """Lazy state: the accepted drafts the proposal fed (d1..d(k-1)) are the row's tokens now. Eager:
+        nothing (the next proposal rolls the cache back to what the target kept)."""
+        if catches_up(batch):
+            fed = max(verified.proposal.tokens.shape[1] - 1, 0)
+            batch.draft.lengths += torch.where(verified.kept > 0, verified.accepted.clamp(max=fed), 0)
 
 
 class SharedDraftModel(LlamaModel):

@@ -1,18 +1,25 @@
 """`eagle`: EAGLE-2 drafting (Li et al. 2024) with a trained EagleHead on the target's features.
 
-Per step the head first catches up on the pairs (target feature at t, token t+1) that the last
-verification kept, which leaves it with a predicted feature for the pending token (the root). Then it
-grows a tree level by level: expand the `frontier` most confident nodes (highest cumulative draft
+Before it drafts, the head has been fed the pairs (target feature at t, token t+1) of every kept
+position, which leaves it with a predicted feature for the pending token (the root). Then it grows a tree level by level: expand the `frontier` most confident nodes (highest cumulative draft
 log-probability), each giving its `branch` most likely children, for `depth` levels; finally keep the
 `total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
 tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
 Per-slot state (`EagleState`): the head's KV cache and the head's predicted feature for the pending
-token (the root of the next tree). With L tokens in a row, the cache holds the pairs for positions
-0 .. L - 2. `commit` feeds the pairs the last step kept (always depth + 1 of them; the cache length
-masks the extra ones) right away, so a step that drafted nothing (gamma 0) keeps the head in step too;
-the tree's entries are written after the committed pairs and rolled back at the end of propose.
-Every shape is fixed by the tree configuration, so both can be captured in CUDA graphs.
+token (the root of the next tree). With L tokens in a row, the head is fed the pairs for positions
+0 .. L - 2 before it drafts; the tree's entries are written after them and rolled back at the end of
+propose. When the pairs are fed depends on the stepper (catch_up.py):
+
+- eager stepper (the CPU; `catches_up(batch)`), lazy: `join` keeps the prompt's target features and
+  `commit` those of the kept entries (`EagleState.features`, by position) and feeds nothing; `propose`,
+  which runs only when the step drafts, first feeds each running row the pairs from its head-cache
+  length up to L - 2 (`catch_up`: the prompt, then whatever the steps since its last draft kept), which
+  leaves the root. A step at gamma 0 runs no head forward at all.
+- graphed stepper (CUDA graphs; batch.static), eager: `join` runs the head over the prompt and
+  `commit` feeds the pairs the last step kept (always depth + 1 of them; the cache length masks the
+  extra ones) right away, at gamma 0 too, so the head is in step at every step and every shape is fixed
+  by the tree configuration: propose and commit are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
@@ -71,6 +79,7 @@ class EagleTreeConfig:
 class EagleState:
     cache: KVCache  # the head's, one row per slot
     root: Tensor  # [B, D] the head's feature for each row's pending token
+    features: Tensor | None = None  # [B, S, D] lazy state only: the target's feature at each position, to feed
 
 
 class EagleDrafter:
@@ -88,15 +97,25 @@ class EagleDrafter:
         return DraftShape(width=min(self.tree.total_tokens, self.tree.candidates(depth)), depth=depth, tree=True)
 
     def attach(self, batch) -> None:
+        """The head's cache, with room for the tree's scratch entries (and, when lazy, a catch-up's padding)."""
         B, D = batch.capacity, self.head.config.hidden_size
-        cache = self.head.new_cache(B, batch.max_len + self.tree.depth * self.tree.frontier, static=batch.static)
-        root = torch.zeros(B, D, dtype=self.head.layers[0].post_attention_layernorm.weight.dtype, device=batch.device)
-        batch.draft = EagleState(cache, root)
+        lazy = catches_up(batch)
+        spare = max(self.tree.depth * self.tree.frontier, SHORT_GAP if lazy else 0)
+        cache = self.head.new_cache(B, batch.max_len + spare, static=batch.static)
+        dtype = self.head.layers[0].post_attention_layernorm.weight.dtype
+        root = torch.zeros(B, D, dtype=dtype, device=batch.device)
+        features = torch.zeros(B, batch.max_len, D, dtype=dtype, device=batch.device) if lazy else None
+        batch.draft = EagleState(cache, root, features)
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
-        """Feed the prompts' pairs (feature at t, token t+1), the last one pairing with the first token."""
+        """Lazy: keep the prompts' features for the first catch-up. Eager: feed the prompts' pairs (feature at
+        t, token t+1), the last one pairing with the first token."""
         state, lengths = batch.draft, batch.prompt_length[slots]  # [n]
         n, T = hidden.shape[:2]
+        if state.features is not None:
+            state.features[slots, :T] = hidden.to(state.features.dtype)
+            state.cache.lengths[slots] = 0
+            return
         scratch = self.head.new_cache(n, T)
         positions = torch.arange(T, device=hidden.device).expand(n, T)
         out = self.head.features(hidden, batch.tokens[slots, 1 : T + 1], positions, scratch)  # [n, T, D]
@@ -106,8 +125,12 @@ class EagleDrafter:
         state.root[slots] = out[torch.arange(n, device=hidden.device), lengths - 1]
 
     def commit(self, batch, verified: Verified) -> None:
-        """Feed the pairs of the kept entries (feature at the entry, the token after it) and keep the head's
-        feature of the new pending token. Rows that did not take part write only past their cache length."""
+        """Lazy: keep the target's features of the kept entries. Eager: feed their pairs (feature at the
+        entry, the token after it) and keep the head's feature of the new pending token; rows that did not
+        take part write only past their cache length."""
+        if batch.draft.features is not None:
+            keep_features(batch, verified)
+            return
         state, dev = batch.draft, batch.device
         took_part = verified.kept > 0  # [B]
         count = verified.accepted + 1  # [B] kept entries: the old pending token and the accepted drafts
@@ -121,9 +144,28 @@ class EagleDrafter:
         last = out.gather(1, (count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
         state.root.copy_(torch.where(took_part[:, None], last, state.root))
 
+    def catch_up(self, batch) -> None:
+        """Lazy state: feed every running row the pairs from its head-cache length up to L - 2 (one forward
+        for the rows a step or a few behind, one per row further behind) and take the root from the last."""
+        state = batch.draft
+        gap = torch.where(batch.active, batch.length - 1 - state.cache.lengths, 0).clamp(min=0)  # [B] pairs to feed
+
+        def feed(cache: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
+            top = batch.max_len - 1
+            features = state.features[rows].gather(1, positions.clamp(max=top)[..., None].expand(-1, -1, state.features.shape[-1]))
+            next_tokens = batch.tokens[rows].gather(1, (positions + 1).clamp(max=top))  # [n, w]
+            out = self.head.features(features, next_tokens, positions, cache)  # [n, w, D]
+            return out[torch.arange(out.shape[0], device=out.device), last]  # [n, D]
+
+        fed = feed_gaps(state.cache, gap, feed)
+        if fed is not None:
+            state.root.copy_(torch.where((gap > 0)[:, None], fed, state.root))
+
     @torch.inference_mode()
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         depth = self.shape(gamma).depth
+        if batch.draft.features is not None:
+            self.catch_up(batch)
         tokens, parents = self.grow(batch.draft.root, batch, depth)
         return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth, self.tree.branch))
 
@@ -145,6 +187,18 @@ class EagleDrafter:
             cands = fused.run_compiled(add_children, new_feats, head.logits(new_feats), cands, frontier, d2t, cfg.branch, level)
         cache.lengths.copy_(base)  # the tree's entries are scratch
         return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)
+
+
+def keep_features(batch, verified: Verified) -> None:
+    """Lazy state: store the target's features of the entries each row kept (the old pending token and
+    its accepted drafts, cut where the row stopped) at their positions, L - kept - 1 .. L - 2 (L after
+    the step): the pairs' features for the next catch-up."""
+    kept = verified.kept  # [B] 0 for rows that did not take part
+    j = torch.arange(verified.hidden.shape[1], device=batch.device)  # [W]
+    rows, entries = (j < kept[:, None]).nonzero(as_tuple=True)  # [n] each
+    positions = (batch.length - kept - 1)[rows] + entries  # [n]
+    features = batch.draft.features
+    features[rows, positions] = verified.hidden[rows, entries].to(features.dtype)
 
 
 @dataclass
