@@ -8,6 +8,10 @@ places after y. The tree is static and sparse: each node is a path of head ranks
 rank (the heads all read the same x_n). Nodes are deterministic top-k picks (q = None), so tree
 verification keeps the output lossless whatever the heads say.
 
+State: the feature per slot, nothing else. `join` and `commit` only pick it out of the target's hidden
+states (a gather, no forward), at every step, gamma 0 included, so a step that drafts nothing costs
+Medusa nothing and its state needs no catch-up (unlike EAGLE's or a draft model's, catch_up.py).
+
 Tree shape: DrafterOptions.extra["medusa_tree"], a list of rank paths or a node count (then the
 tree is built from the heads' measured rank accuracies, stored by training in their config.json);
 default: the tree stored with the heads, else DEFAULT_TREE. The engine's gamma caps the depth.
