@@ -323,6 +323,39 @@ def step_shape(drafter: Drafter, gamma: int) -> tuple[int, DraftShape]:
     return (gamma, shape) if shape.width else (0, DraftShape(0, 0))
 
 
+def run_shapes(drafter: Drafter, gamma: int) -> list[tuple[int, DraftShape]]:
+    """(gamma, shape) of every step a step asked at `gamma` may run as: itself, and for a host drafter's
+    chain (`narrow`) each narrower gamma it may be cut to, 0 included."""
+    shape = drafter.shape(gamma) if gamma else DraftShape(0, 0)
+    if drafter.graphable or not gamma or shape.tree:
+        return [(gamma, shape)]
+    return [step_shape(drafter, g) for g in [0, *narrow_gammas(gamma)]]
+
+
+def narrow_gammas(gamma: int) -> list[int]:
+    """The gammas a host drafter's chain step at `gamma` may be cut to: the powers of two below it, and
+    gamma (a handful of step shapes to capture, none more than twice as wide as what was drafted)."""
+    return [g for g in (1 << i for i in range(gamma.bit_length())) if g < gamma] + [gamma]
+
+
+def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal) -> tuple[int, DraftShape, Proposal | None]:
+    """A host drafter's chain cut to the narrowest step gamma that holds its longest row (proposal.longest,
+    known on the host): a step verifies no wider than what was drafted, and where no row drafted it is a
+    plain step (gamma 0, no proposal). A host drafter's proposal length follows its matches (suffix: the
+    pattern's length), so a large gamma costs nothing where the matches are short. A tree keeps its shape."""
+    if shape.tree or drafter.graphable:
+        return gamma, shape, proposal
+    if proposal.longest is None:
+        raise RuntimeError(f"the host drafter {drafter.name!r} proposed a chain without its longest row (Proposal.longest)")
+    g = next((g for g in narrow_gammas(gamma) if g >= proposal.longest), gamma) if proposal.longest else 0
+    if g == gamma:
+        return gamma, shape, proposal
+    if g == 0:
+        return 0, DraftShape(0, 0), None
+    q = None if proposal.q is None else proposal.q[:, :g]
+    return g, drafter.shape(g), Proposal(proposal.tokens[:, :g], q, proposal.num_drafted, longest=proposal.longest)
+
+
 class Stepper:
     """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill` (whole
     prompts), or with `start_prefill` and then `prefill_chunk` between steps (a long prompt read while
@@ -430,21 +463,29 @@ class Stepper:
     @entry_point
     def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
-        with an observer, or when asked)."""
+        with an observer, or when asked). A host drafter's chain runs at the gamma its longest row drafted
+        (`narrow`)."""
         t = time.perf_counter()
         batch, drafter = self.batch, self.drafter
         gamma, shape = step_shape(drafter, gamma)
         any_sampled, max_top_k = batch.sampling_mode()
         batch.sampling.max_top_k = max_top_k
+        graphed = self.graphs and observer is None and not eager
+        if graphed:  # every shape this step may run at, before its clock starts
+            for g, s in run_shapes(drafter, gamma):
+                if (g, any_sampled, max_top_k) not in self.captured:
+                    self.capture((g, any_sampled, max_top_k), s)
         watch = Stopwatch(self.device)
-        if self.graphs and observer is None and not eager:
-            key = (gamma, any_sampled, max_top_k)
-            captured = self.captured.get(key) or self.capture(key, shape)
-            watch.mark("start")
+        watch.mark("start")
+        proposal = None
+        if gamma and not drafter.graphable:  # proposed on the host: what it drafted settles the step's shape
+            gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled))
+        if graphed:
+            captured = self.captured[(gamma, any_sampled, max_top_k)]
             if captured.propose is not None:
                 captured.propose.replay()
-            elif captured.proposal is not None:
-                fill_proposal(captured.proposal, propose(drafter, batch, gamma, shape, any_sampled))
+            elif proposal is not None:
+                fill_proposal(captured.proposal, proposal)
             watch.mark("drafted")
             captured.verify.replay()
             watch.mark("verified")
@@ -455,7 +496,7 @@ class Stepper:
             watch.mark("committed")
             out = captured.out
         else:
-            out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None)
+            out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
         launched = self.copy_out(out, watch, gamma)
         if observer is not None:
             observer(out.record)
@@ -472,7 +513,7 @@ class Stepper:
             return 0
         new, bound = 0, self.batch.sampling.max_top_k
         self.batch.sampling.max_top_k = 0
-        for gamma, shape in {step_shape(self.drafter, g) for g in gammas}:
+        for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0])}:
             for any_sampled in (False, True):
                 key = (gamma, any_sampled, 0)
                 if key not in self.captured:
@@ -492,11 +533,11 @@ class Stepper:
             self.prefill_graphs.capture(shape)
         return len(new)
 
-    def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch | None = None,
-                   observe: bool = False) -> StepOutput:
-        watch = watch or Stopwatch(self.device)
-        watch.mark("start")
-        proposal = propose(self.drafter, self.batch, gamma, shape, any_sampled) if gamma else None
+    def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch, observe: bool = False,
+                   proposal: Proposal | None = None) -> StepOutput:
+        """The three phases, eagerly, after the caller's "start" mark (a host drafter's proposal may come made)."""
+        if gamma and proposal is None:
+            proposal = propose(self.drafter, self.batch, gamma, shape, any_sampled)
         watch.mark("drafted")
         out = verify(self.target, self.cache, self.batch, proposal, shape, any_sampled, observe)
         watch.mark("verified")
@@ -519,7 +560,7 @@ class Stepper:
         side.wait_stream(torch.cuda.current_stream())
         with fused.fusing(), torch.cuda.stream(side):
             for _ in range(2):
-                self.run_phases(gamma, shape, any_sampled)
+                self.run_phases(gamma, shape, any_sampled, Stopwatch(self.device))
             static = clone_proposal(propose(self.drafter, batch, gamma, shape, any_sampled)) if host and gamma else None
         torch.cuda.current_stream().wait_stream(side)
         graphs = [torch.cuda.CUDAGraph() for _ in range(3)]

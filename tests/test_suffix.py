@@ -11,6 +11,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 import specdec
 import specdec.verify
@@ -18,7 +19,7 @@ from conftest import DEVICE, build_hf, save_hf, tiny_pair
 from specdec import SamplingParams, SpecConfig
 from specdec.batch import Request, eos_ids
 from specdec.drafters import DrafterOptions, build_drafter
-from specdec.drafters.base import DraftShape
+from specdec.drafters.base import DraftShape, Proposal
 from specdec.drafters.suffix import (
     GlobalIndex,
     Match,
@@ -35,7 +36,7 @@ from specdec.drafters.suffix import (
 )
 from specdec.errors import UserError
 from specdec.models import load_model
-from specdec.step import new_stepper
+from specdec.step import narrow, narrow_gammas, new_stepper
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
 
@@ -211,7 +212,7 @@ def flat(tmp_path_factory):
 
 
 @pytest.mark.parametrize("extra", [{}, TREE], ids=["chain", "tree"])
-@pytest.mark.parametrize("gamma", [2, 4])
+@pytest.mark.parametrize("gamma", [2, 4, 16])
 def test_greedy_equals_plain_alone_batched_and_again(flat, extra, gamma):
     """One drafter instance: one prompt, then all three (that prompt now in the global index), then all
     three again (all in it): each output equals plain greedy decoding."""
@@ -245,6 +246,45 @@ def test_the_same_prompts_again_accept_far_more(models, extra):  # noqa: F811
     first, second = (engine.generate(PROMPTS, config).stats for _ in range(2))
     assert second.accepted >= first.accepted + MAX_NEW, (first.accepted, second.accepted)
     assert second.acceptance_rate > 0.8 and second.steps < first.steps
+
+
+def test_a_chain_step_runs_as_wide_as_its_longest_draft(models, plain):  # noqa: F811
+    """At gamma 16, a first pass drafts from short matches and the repeat of the same prompt from the
+    first pass's whole output: the steps run at powers of two that hold the rows' drafts (plain steps where
+    no row matched), the repeat drafts 16 at once, and both equal plain (the narrowest power is
+    test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees)."""
+    target, _, _ = models
+    drafter = build_drafter("suffix", target)
+    stepper = new_stepper(target, drafter, 1, 128, list(eos_ids(target)))
+    ran = []
+    for _ in range(2):
+        row, = stepper.prefill([0], [Request(PROMPTS[0], MAX_NEW)])
+        stepper.batch.gamma.fill_(16)
+        while stepper.batch.busy:
+            stepper.launch(16)
+            report = stepper.read()
+            ran.append((report.gamma, max([s.drafted for s in report.rows], default=0)))
+        assert row.generated == plain[0]
+        stepper.batch.release(0)
+    assert {g for g, _ in ran} <= {0, 1, 2, 4, 8, 16} and 16 in {g for g, _ in ran}
+    assert all(drafted <= g for g, drafted in ran) and (0, 0) in ran and (16, 16) in ran, ran
+
+
+def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
+    drafter = SuffixDrafter(SuffixConfig())
+    chain = drafter.shape(16)
+    tokens = torch.arange(32).view(2, 16)
+    for longest, expected in [(0, 0), (1, 1), (3, 4), (9, 16), (16, 16)]:
+        proposal = Proposal(tokens, num_drafted=torch.tensor([longest, 0]), longest=longest)
+        gamma, shape, cut = narrow(drafter, 16, chain, proposal)
+        assert gamma == expected and shape.width == expected
+        assert (cut is None) == (expected == 0)
+        if cut is not None:
+            assert cut.tokens.tolist() == tokens[:, :expected].tolist()
+    assert narrow_gammas(12) == [1, 2, 4, 8, 12] and narrow_gammas(1) == [1]
+    tree = SuffixDrafter(SuffixConfig(tree_nodes=8))
+    proposal = Proposal(tokens[:, :8])
+    assert narrow(tree, 16, tree.shape(16), proposal) == (16, tree.shape(16), proposal)
 
 
 def test_a_second_identical_request_through_the_server_accepts_more(models):  # noqa: F811

@@ -41,6 +41,7 @@ class Proposal:
     q: Tensor | None = None  # [B, N, V] distribution each token was drawn from; None = deterministic (one-hot q)
     num_drafted: Tensor | None = None  # [B] valid chain tokens per row; None = all N (chains only)
     tree: TreeSpec | None = None
+    longest: int | None = None  # a host drafter's chain: the most tokens a row drafted, known on the host (step.narrow)
 
 
 @dataclass

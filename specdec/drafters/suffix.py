@@ -38,7 +38,11 @@ Drafting (per row, per step), with the paper's names:
   (the expected number of accepted tokens); the best one is proposed, on equal scores the one with the
   longer pattern.
 Nodes are deterministic (q = None): tree and chain verification stay lossless. Proposals have the static
-shape of `shape(gamma)`: a chain pads with num_drafted, a tree with num_nodes.
+shape of `shape(gamma)`: a chain pads with num_drafted, a tree with num_nodes. A chain also tells the step
+its longest row (Proposal.longest), and the step verifies only that wide (step.narrow: the next power of
+two): the draft length follows the matches, so a large gamma (SuffixDecoding drafts up to dozens of tokens
+where a request repeats earlier text) costs nothing in steps whose matches are short, and a step where no
+row matched is a plain step.
 
 The indexes are Python structures on the host, so this drafter reads the rows' new tokens back every step
 and runs eagerly (graphable = False), like `lookahead`.
@@ -371,9 +375,10 @@ class SuffixDrafter:
             tokens[slot, :n] = torch.tensor(draft.tokens, dtype=torch.long)
             parents[slot, :n] = torch.tensor(draft.parents, dtype=torch.long)
             num_nodes[slot] = n
+        longest = int(num_nodes.max())
         tokens, num_nodes = tokens.to(batch.device), num_nodes.to(batch.device)
         if not shape.tree:
-            return Proposal(tokens=tokens, num_drafted=num_nodes)
+            return Proposal(tokens=tokens, num_drafted=num_nodes, longest=longest)
         tree = TreeSpec(parents.to(batch.device), num_nodes, shape.depth, self.config.max_children)
         return Proposal(tokens=tokens, tree=tree)
 
