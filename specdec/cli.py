@@ -49,8 +49,9 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None, help="lookahead: Jacobi window W (default 4)")
     p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N of the pool (default 4)")
     p.add_argument("--guesses", type=int, default=None, help="lookahead: pool continuations verified per step G (default 3)")
-    p.add_argument("--quant-format", default=None, choices=("int8", "Q8_0", "Q4_1", "Q4_0"),
-                   help="quantized: the draft's weight format (default int8 for a float target, Q4_0 for a Q8_0 one)")
+    p.add_argument("--quant-format", default=None, choices=("int8", "Q8_0", "Q4_1", "Q4_0", "Q4_1-A8", "Q4_0-A8"),
+                   help="quantized: the draft's weight format (default int8 for a float target, Q4_0 for a Q8_0 one; "
+                        "-A8: the 4-bit blocks times int8 activations, integer dot products)")
 
 
 def gamma_arg(text: str) -> int | str:
@@ -509,6 +510,9 @@ def drafter_extra(args: argparse.Namespace) -> dict:
     for name in ("window", "ngram", "guesses", "total_tokens"):
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{name} must be >= 1, got {extra[name]}")
+    drafters = getattr(args, "drafters", None) or [args.drafter]  # bench takes several
+    if args.quant_format is not None and "quantized" not in drafters:
+        raise UserError(f"--quant-format is an option of the quantized drafter, not of {', '.join(drafters)}")
     return {k: v for k, v in extra.items() if v is not None}
 
 
@@ -536,7 +540,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdec.drafters import DrafterOptions
     from specdec.engine import SpecEngine
     from specdec.models import load_model
-    from specdec.models.kernels import kernel_path
+    from specdec.models.kernels import draft_kernel_path, kernel_path
 
     prompt = read_prompt(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
@@ -564,6 +568,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "device": str(engine.device),
         "dtype": str(next(target.parameters()).dtype).removeprefix("torch."),
         "kernels": kernel_path(target).to_dict(),
+        "draft_kernels": draft.to_dict() if (draft := draft_kernel_path(engine.drafter)) else None,
         "tp": shard.world,
         "text": row.text,
         "token_ids": row.token_ids,

@@ -43,7 +43,7 @@ from specdec.engine import SpecEngine
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.models import cpu_gemm
-from specdec.models.kernels import kernel_path
+from specdec.models.kernels import draft_kernel_path, kernel_path
 from specdec.models.loading import DEFAULT_MODEL, hf_folder, resolve_gguf
 from specdec.models.tensor_parallel import join_group
 from specdec.metrics import mean_accepted_length
@@ -312,6 +312,9 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
 
     calibration = calibrate(runner, prompts, records, methods)
     summaries = [summarize(m, records, calibration, config.sampling.greedy) for m in methods]
+    for summary in summaries:
+        if summary["family"] == "specdec" and (draft := draft_kernel_path(runner.engines[summary["name"]].drafter)):
+            summary["draft_kernels"] = draft.to_dict()
     for summary in summaries:
         if summary["family"] == OPENAI:
             peer = runner.openai[summary["name"]]

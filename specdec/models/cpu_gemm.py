@@ -1,4 +1,5 @@
-"""specdec's CPU kernels: skinny_gemm.c (linear layers), cpu_attention.c (attention over the KV
+"""specdec's CPU kernels: skinny_gemm.c (linear layers; int_dot.c for a drafter's 4-bit blocks with int8
+activations), cpu_attention.c (attention over the KV
 cache), cpu_layer.c (whole decoder layers from those two, see cpu_layer.py) and cpu_threads.c (their
 threads), compiled on first use into one library, called through ctypes.
 
@@ -63,11 +64,11 @@ from torch import Tensor
 from specdec.paths import cache_root
 
 NR = 16  # panel width, as in skinny_gemm.c
-SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "cpu_attention.c", "cpu_layer.c", "cpu_threads.c")]
-HEADERS = [Path(__file__).with_name("cpu_bf16.h")]  # part of the cache key, not of the command line
+SOURCES = [Path(__file__).with_name(name) for name in ("skinny_gemm.c", "int_dot.c", "cpu_attention.c", "cpu_layer.c", "cpu_threads.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_bf16.h", "cpu_f16.h")]  # part of the cache key, not of the command line
 FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fPIC", "-shared"]
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in skinny_gemm.c
-BLOCK_TYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}  # GGUF block formats in uint8 panels (cpu_quant.py), same enum
+BLOCK_TYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5, "Q4_0-A8": 6, "Q4_1-A8": 7}  # GGUF block formats in uint8 panels (cpu_quant.py), same enum
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
 STATUS: dict = {"available": False, "isa": None, "library": None, "error": None}
 KERNEL_THREADS = [0]  # the kernels' threads inside `kernels_own_threads`; 0: torch.get_num_threads()

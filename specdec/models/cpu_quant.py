@@ -13,6 +13,10 @@ weight in registers exactly as gguf's reference does, then runs the float32 kern
 - activations stay float32 (or bfloat16); they are not quantised to 8 bits as llama.cpp's CPU path
   does, so logits differ from llama.cpp's by that rounding (bench/llamacpp_agreement.py measures it).
 
+The `-A8` formats (Q4_0-A8, Q4_1-A8) hold the same GGUF blocks laid out for integer dot products with
+the activations quantised to int8 per block (int_dot.c, where the layout is): faster, approximate, for
+a quantized drafter only (views.quantized_copy); a GGUF file's tensors never load into them.
+
 `QuantizedEmbedding` looks token rows up in the same panels (a tied LM head and the embedding share
 one copy), dequantised by the C code row by row.
 """
@@ -31,17 +35,22 @@ QK = 32  # weights per block along K
 
 @dataclass(frozen=True)
 class BlockFormat:
-    name: str  # GGUF's name
+    name: str  # GGUF's name, or with "-A8": int8 activations (int_dot.c)
+    gguf: str  # the GGUF type whose blocks it holds (gguf's quantiser makes them)
     gguf_bytes: int  # bytes of one block in the file
     scales: int  # float16 scale vectors per block: d (and m)
     bits: int  # per quantised weight
+    int_dot: bool = False  # panels in int_dot.c's layout, products with int8 activations
 
     @property
     def panel_block_bytes(self) -> int:  # one block of 16 columns in a panel (skinny_gemm.c's Qx_BLOCK)
         return cpu_gemm.NR * (2 * self.scales + QK * self.bits // 8)
 
 
-FORMATS = {f.name: f for f in (BlockFormat("Q4_0", 18, 1, 4), BlockFormat("Q4_1", 20, 2, 4), BlockFormat("Q8_0", 34, 1, 8))}
+FORMATS = {f.name: f for f in (
+    BlockFormat("Q4_0", "Q4_0", 18, 1, 4), BlockFormat("Q4_1", "Q4_1", 20, 2, 4), BlockFormat("Q8_0", "Q8_0", 34, 1, 8),
+    BlockFormat("Q4_0-A8", "Q4_0", 18, 1, 4, int_dot=True), BlockFormat("Q4_1-A8", "Q4_1", 20, 2, 4, int_dot=True),
+)}
 
 
 def pack_blocks(raw: Tensor, qtype: str) -> Tensor:
@@ -56,7 +65,11 @@ def pack_blocks(raw: Tensor, qtype: str) -> Tensor:
     blocks = blocks.view(P, cpu_gemm.NR, nb, f.gguf_bytes).transpose(1, 2)  # [P, nb, 16 columns, bytes]
     scales = blocks[..., : 2 * f.scales].reshape(P, nb, cpu_gemm.NR, f.scales, 2).transpose(2, 3)  # [P, nb, s, 16, 2]
     q = blocks[..., 2 * f.scales:]  # [P, nb, 16, 16 or 32]
-    if f.bits == 4:
+    if f.int_dot:
+        q = torch.cat([q & 15, q >> 4], dim=-1)  # [P, nb, 16 columns, 32 elements]
+        q = q.view(P, nb, cpu_gemm.NR, QK // 4, 4).permute(0, 1, 3, 2, 4)  # [P, nb, 8 groups, 16 columns, 4]
+        q = q[:, :, :, :8] | (q[:, :, :, 8:] << 4)  # [P, nb, 8, 8, 4]: column j low, j + 8 high
+    elif f.bits == 4:
         q = torch.cat([q & 15, q >> 4], dim=-1)  # [P, nb, 16, 32]: element order
         q = q.transpose(2, 3)  # [P, nb, 32 rows, 16 columns]
         q = q[..., :8] | (q[..., 8:] << 4)  # [P, nb, 32, 8]: column j low, j + 8 high
@@ -74,7 +87,11 @@ def unpack_blocks(packed: Tensor, qtype: str, N: int) -> Tensor:
     nb = panel.shape[1]
     scales = panel[..., : 2 * cpu_gemm.NR * f.scales].reshape(P, nb, f.scales, cpu_gemm.NR, 2).transpose(2, 3)  # [P, nb, 16, s, 2]
     q = panel[..., 2 * cpu_gemm.NR * f.scales:]
-    if f.bits == 4:
+    if f.int_dot:
+        q = q.reshape(P, nb, QK // 4, cpu_gemm.NR // 2, 4)  # [P, nb, 8 groups, 8, 4]
+        q = torch.cat([q & 15, q >> 4], dim=3).permute(0, 1, 3, 2, 4).reshape(P, nb, cpu_gemm.NR, QK)  # [P, nb, 16, 32]
+        q = q[..., :16] | (q[..., 16:] << 4)  # [P, nb, 16, 16]: element i low, i + 16 high
+    elif f.bits == 4:
         q = q.reshape(P, nb, QK, cpu_gemm.NR // 2)
         q = torch.cat([q & 15, q >> 4], dim=-1).transpose(2, 3)  # [P, nb, 16 columns, 32 elements]
         q = q[..., :16] | (q[..., 16:] << 4)  # [P, nb, 16, 16]: element i low, i + 16 high

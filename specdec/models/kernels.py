@@ -158,6 +158,13 @@ def kernel_path(model: nn.Module) -> KernelPath:
     return KernelPath(path.name, path.exact, path.detail, weight_formats(model))
 
 
+def draft_kernel_path(drafter) -> KernelPath | None:
+    """The kernel path of a drafter's own decoder stack (a draft model, a quantized copy, a layer
+    subset), None for a drafter without one."""
+    draft = getattr(drafter, "draft", None)
+    return kernel_path(draft) if isinstance(draft, nn.Module) and decoder_layers(draft) else None
+
+
 def kernel_route(model: nn.Module) -> KernelPath:
     layers = decoder_layers(model)
     p = next(model.parameters())

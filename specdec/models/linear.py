@@ -22,7 +22,7 @@ class Linear(nn.Linear):
     packed: Tensor | None = None  # [ceil(out/16), in, 16] panels (float32, bfloat16, or int8 with scales), CPU only
     packed_bias: Tensor | None = None  # [ceil(out/16) * 16] float32, the bias as the kernel reads it
     scales: Tensor | None = None  # [ceil(out/16) * 16] per-output scales of int8 panels (quantize_int8)
-    qtype: str | None = None  # GGUF block format of uint8 panels ("Q4_0", "Q4_1", "Q8_0"; cpu_quant.py)
+    qtype: str | None = None  # GGUF block format of uint8 panels ("Q4_0", "Q4_1", "Q8_0", "Q4_0-A8", "Q4_1-A8"; cpu_quant.py)
     split = None  # a tensor_parallel.Split: this layer is one rank's shard, its products combined across ranks
 
     @property
@@ -83,13 +83,14 @@ def quantize_int8(linear: Linear, source: Linear) -> None:
 
 
 def quantize_blocks(linear: Linear, source: Linear, qtype: str) -> None:
-    """Give a CPU Linear GGUF block panels (qtype "Q4_0", "Q4_1" or "Q8_0", gguf's reference quantiser)
-    of `source`'s weight; it keeps no float weight."""
+    """Give a CPU Linear GGUF block panels (qtype "Q4_0", "Q4_1", "Q8_0", or "Q4_0-A8" / "Q4_1-A8" for
+    int8 activations; gguf's reference quantiser) of `source`'s weight; it keeps no float weight."""
     from gguf import GGMLQuantizationType, quants
 
     from specdec.models import cpu_quant
 
-    raw = quants.quantize(float_weight(source).detach().float().numpy(), GGMLQuantizationType[qtype])  # [N, K/32 * bytes]
+    gguf_type = GGMLQuantizationType[cpu_quant.FORMATS[qtype].gguf]
+    raw = quants.quantize(float_weight(source).detach().float().numpy(), gguf_type)  # [N, K/32 * bytes]
     linear.packed, linear.qtype = cpu_quant.pack_blocks(torch.from_numpy(raw), qtype), qtype
     linear.packed_bias = cpu_gemm.pad_bias(linear.bias, linear.packed)
     linear.weight = nn.Parameter(torch.empty(0), requires_grad=False)

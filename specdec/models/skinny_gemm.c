@@ -11,7 +11,9 @@
  * arithmetic as float32), int8 with one float scale per output column (Y = (X @ Wq) * scale + bias),
  * and GGUF's block formats Q4_0, Q4_1 and Q8_0 (see "GGUF blocks" below: each weight is dequantised
  * in registers exactly as gguf's reference dequantises it, then takes the float32 arithmetic, so the
- * product is bitwise the float32 kernel's on the dequantised weight).
+ * product is bitwise the float32 kernel's on the dequantised weight). Two more weight types, Q4_0 and
+ * Q4_1 blocks laid out for integer dot products with int8 activations (a drafter's `-A8` formats), run
+ * in int_dot.c: approximate, and only for drafts.
  * Activations X and outputs Y are float32 or bfloat16 (converted on the way in, rounded to nearest
  * even on the way out, as PyTorch rounds), always accumulated in float32.
  *
@@ -36,18 +38,23 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_f16.h"
 
 /* cpu_threads.c */
 void specdec_parallel(int tasks, int threads, void (*fn)(void *ctx, int task), void *ctx);
 float *specdec_scratch(size_t n);
+/* int_dot.c */
+void specdec_int_dot(const float *x, const void *packed, int q4_1, const float *bias, void *y, int y_bf16, int M, int K,
+                     int N, int threads);
+float specdec_int_dot_weight(const uint8_t *panel, int q4_1, int k, int j);
 
 #define NR 16
 #define MR 6
 #define WIDE 4 /* panels a single row runs through at once */
 #define L2_BLOCK_BYTES (192 * 1024) /* weights per panel block: fits a 512 KiB L2 beside X and Y */
 
-enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_Q8_0 = 5 };
-#define WEIGHT_TYPES 6
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_Q8_0 = 5, W_Q4_0_A8 = 6, W_Q4_1_A8 = 7 };
+#define WEIGHT_TYPES 8 /* W_Q4_0_A8 and W_Q4_1_A8 (int8 activations) run in int_dot.c, not in the tables below */
 
 /* GGUF blocks. cpu_quant.py repacks a GGUF tensor of QK = 32 weights per block along K into panels of
  * NR columns; a panel is K / QK blocks, each block the 16 columns' float16 scales d (Q4_1: then their
@@ -63,7 +70,11 @@ enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_Q8_0 = 5 };
 
 static int block_quantised(int wtype) { return wtype >= W_Q4_0; }
 
-static size_t block_bytes_of(int wtype) { return wtype == W_Q4_0 ? Q4_0_BLOCK : wtype == W_Q4_1 ? Q4_1_BLOCK : Q8_0_BLOCK; }
+static int int_dot(int wtype) { return wtype >= W_Q4_0_A8; }
+
+static size_t block_bytes_of(int wtype) {
+    return wtype == W_Q4_0 || wtype == W_Q4_0_A8 ? Q4_0_BLOCK : wtype == W_Q4_1 || wtype == W_Q4_1_A8 ? Q4_1_BLOCK : Q8_0_BLOCK;
+}
 
 /* Bytes of one panel of K weights per column, as stored. */
 static size_t panel_bytes_of(int wtype, int K) {
@@ -71,22 +82,9 @@ static size_t panel_bytes_of(int wtype, int K) {
     return block_quantised(wtype) ? (size_t)(K / QK) * block_bytes_of(wtype) : (size_t)K * NR * per_weight[wtype];
 }
 
-/* Exact float16 -> float32 (the portable code's; the AVX2 code converts with F16C). */
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    uint32_t u = sign | ((exponent + 112u) << 23) | (mantissa << 13); /* normal */
-    if (exponent == 0x1f) u = sign | 0x7f800000u | (mantissa << 13);   /* inf, NaN */
-    float f;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
-        f = (float)mantissa * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Weight (k, j) of a block-quantised panel, dequantised as gguf does. */
 static inline float block_weight(const uint8_t *panel, int wtype, int k, int j) {
+    if (int_dot(wtype)) return specdec_int_dot_weight(panel, wtype == W_Q4_1_A8, k, j);
     const uint8_t *blk = panel + (size_t)(k / QK) * block_bytes_of(wtype);
     uint16_t bits;
     memcpy(&bits, blk + 2 * j, 2);
@@ -433,6 +431,11 @@ void skinny_gemm(const void *x_in, int x_bf16, const void *packed, int wtype, co
         x_wide = malloc((size_t)M * K * sizeof(float));
         if (!x_wide) abort();
         for (size_t i = 0; i < (size_t)M * K; i++) x_wide[i] = bf16_to_f32(((const uint16_t *)x_in)[i]);
+    }
+    if (int_dot(wtype)) {
+        specdec_int_dot(x_wide ? x_wide : x_in, packed, wtype == W_Q4_1_A8, bias, y_out, y_bf16, M, K, N, threads);
+        free(x_wide);
+        return;
     }
     const int panels = N / NR, widen = wtype != W_F32 && M > MR;
     const size_t panel_bytes = widen ? (size_t)K * NR * sizeof(float) : panel_bytes_of(wtype, K); /* as the kernels read them */
