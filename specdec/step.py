@@ -339,21 +339,30 @@ def narrow_gammas(gamma: int) -> list[int]:
 
 
 def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal) -> tuple[int, DraftShape, Proposal | None]:
-    """A host drafter's chain cut to the narrowest step gamma that holds its longest row (proposal.longest,
-    known on the host): a step verifies no wider than what was drafted, and where no row drafted it is a
-    plain step (gamma 0, no proposal). A host drafter's proposal length follows its matches (suffix: the
-    pattern's length), so a large gamma costs nothing where the matches are short. A tree keeps its shape."""
-    if shape.tree or drafter.graphable:
+    """A deterministic chain cut to the narrowest step gamma that holds its longest row, where the host knows
+    it without a device sync (`longest_row`): a step verifies no wider than what was drafted, and where no
+    row drafted it is a plain step (gamma 0, no proposal). A host drafter's proposal length follows its
+    matches (suffix: the pattern's length), so a large gamma costs nothing where the matches are short; on a
+    CPU an n-gram step where no row found a match runs as a plain step. A tree, and a draft that consumed
+    uniforms (the verify's lanes follow the drafts'), keep their shape."""
+    longest = longest_row(proposal)
+    if shape.tree or shape.lanes or proposal.q is not None or longest is None:
         return gamma, shape, proposal
-    if proposal.longest is None:
-        raise RuntimeError(f"the host drafter {drafter.name!r} proposed a chain without its longest row (Proposal.longest)")
-    g = next((g for g in narrow_gammas(gamma) if g >= proposal.longest), gamma) if proposal.longest else 0
+    g = next((g for g in narrow_gammas(gamma) if g >= longest), gamma) if longest else 0
     if g == gamma:
         return gamma, shape, proposal
     if g == 0:
         return 0, DraftShape(0, 0), None
-    q = None if proposal.q is None else proposal.q[:, :g]
-    return g, drafter.shape(g), Proposal(proposal.tokens[:, :g], q, proposal.num_drafted, longest=proposal.longest)
+    return g, drafter.shape(g), Proposal(proposal.tokens[:, :g], None, proposal.num_drafted, longest=longest)
+
+
+def longest_row(proposal: Proposal) -> int | None:
+    """The most tokens any row of a chain drafted, if the host knows it: a host drafter says so
+    (Proposal.longest); on a CPU it is read off num_drafted; else None (reading it would stall a GPU)."""
+    if proposal.longest is not None:
+        return proposal.longest
+    drafted = proposal.num_drafted
+    return int(drafted.max()) if drafted is not None and drafted.device.type == "cpu" else None
 
 
 class Stepper:
@@ -463,8 +472,8 @@ class Stepper:
     @entry_point
     def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
-        with an observer, or when asked). A host drafter's chain runs at the gamma its longest row drafted
-        (`narrow`)."""
+        with an observer, or when asked). A chain whose longest row the host knows (a host drafter's; any
+        on a CPU) runs at the narrowest gamma that holds it (`narrow`)."""
         t = time.perf_counter()
         batch, drafter = self.batch, self.drafter
         gamma, shape = step_shape(drafter, gamma)
@@ -478,7 +487,7 @@ class Stepper:
         watch = Stopwatch(self.device)
         watch.mark("start")
         proposal = None
-        if gamma and not drafter.graphable:  # proposed on the host: what it drafted settles the step's shape
+        if gamma and not (graphed and drafter.graphable):  # proposed first: what was drafted may settle the step's shape
             gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled))
         if graphed:
             captured = self.captured[(gamma, any_sampled, max_top_k)]

@@ -285,6 +285,12 @@ def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
     tree = SuffixDrafter(SuffixConfig(tree_nodes=8))
     proposal = Proposal(tokens[:, :8])
     assert narrow(tree, 16, tree.shape(16), proposal) == (16, tree.shape(16), proposal)
+    ngram = build_drafter("ngram", None)  # a device drafter: its longest row is read off num_drafted on a CPU only
+    found = Proposal(tokens, num_drafted=torch.tensor([0, 16]))
+    assert narrow(ngram, 16, ngram.shape(16), found)[0] == 16
+    assert narrow(ngram, 16, ngram.shape(16), Proposal(tokens, num_drafted=torch.zeros(2, dtype=torch.long)))[:2] == (0, DraftShape(0, 0))
+    sampled = Proposal(tokens, q=torch.ones(2, 16, 3), num_drafted=torch.tensor([1, 1]))  # drew uniforms: kept whole
+    assert narrow(ngram, 16, ngram.shape(16), sampled) == (16, ngram.shape(16), sampled)
 
 
 def test_a_second_identical_request_through_the_server_accepts_more(models):  # noqa: F811
