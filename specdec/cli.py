@@ -28,7 +28,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 DRAFTER_HELP = ("none, ngram, draft_model, eagle, medusa (trained; shipped for the default model), "
-                "lookahead, layer_skip, quantized, suffix (training-free)")
+                "eagle3 (trained: --eagle3-head), lookahead, layer_skip, quantized, suffix (training-free)")
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +40,9 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     """What each drafter reads; the trained ones default to the heads shipped for the default model."""
     p.add_argument("--draft-model", default=None, help="draft_model: a model (same forms as --model) or a `specdec train draft` folder")
     p.add_argument("--eagle-head", default=None, help="eagle: a head folder from `specdec train eagle`")
+    p.add_argument("--eagle3-head", default=None, help="eagle3: a head folder from `specdec train eagle3`")
     p.add_argument("--medusa-heads", default=None, help="medusa: a heads folder from `specdec train medusa`")
-    p.add_argument("--tree-nodes", type=int, default=None, help="eagle: draft tree nodes verified per step (default 10 on the CPU, 24 on a GPU)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 10 on the CPU, 24 on a GPU)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest n-gram matched")
     p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="why drafts get rejected: rejection rates by token class, position, entropy")
     add_analyze_args(a)
 
-    t = sub.add_parser("train", help="train a drafter on the target's own outputs: draft, eagle or medusa")
+    t = sub.add_parser("train", help="train a drafter on the target's own outputs: draft, eagle, eagle3 or medusa")
     kinds = t.add_subparsers(dest="kind", required=True)
     for kind, about in TRAINERS.items():
         add_train_args(kinds.add_parser(kind, help=about), kind)
@@ -190,6 +191,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
 TRAINERS = {
     "draft": "distil a small draft model (shares the target's embeddings and LM head)",
     "eagle": "an EAGLE head: one decoder layer over the target's features",
+    "eagle3": "an EAGLE-3 head: one decoder layer over the target's low, mid and high layers, with training-time test",
     "medusa": "Medusa heads: K residual blocks predicting tokens t+2..t+K+1",
 }
 
@@ -215,8 +217,14 @@ def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--out", default=f"runs/train-{kind}", help="folder for the trained drafter and its checkpoint")
-    if kind == "eagle":
+    if kind in ("eagle", "eagle3"):
         p.add_argument("--intermediate-size", type=int, default=None, help="MLP width of the head (default: the target's)")
+    if kind == "eagle3":
+        p.add_argument("--ttt-steps", type=int, default=7, help="training-time test: steps the head runs on its own outputs")
+        p.add_argument("--feature-layers", type=csv(int), default=None,
+                       help="target layers whose inputs the head reads (default: 2, L/2, L-3, as the reference)")
+        p.add_argument("--compare-eagle", default=None,
+                       help="an EAGLE head folder (`specdec train eagle`) measured on the same held-out examples")
     if kind == "medusa":
         p.add_argument("--heads", type=int, default=4, help="Medusa heads (tokens predicted beyond the next)")
     if kind == "draft":
@@ -242,7 +250,7 @@ def add_advise_args(v: argparse.ArgumentParser) -> None:
 
 CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "ngram_max", "ngram_min", "window",
                "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold", "draft_model",
-               "eagle_head", "medusa_heads", "layers")
+               "eagle_head", "eagle3_head", "medusa_heads", "layers")
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -504,7 +512,7 @@ def drafter_extra(args: argparse.Namespace) -> dict:
         if layers is not None:
             raise UserError("give --layers or --layer-skip-config, not both")
         layers = read_layer_skip_config(args.layer_skip_config)
-    extra = {"eagle_path": args.eagle_head, "medusa_path": args.medusa_heads, "layers": layers,
+    extra = {"eagle_path": args.eagle_head, "eagle3_path": args.eagle3_head, "medusa_path": args.medusa_heads, "layers": layers,
              "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
              "total_tokens": args.tree_nodes, "quant_format": args.quant_format}
     for name in ("window", "ngram", "guesses", "total_tokens"):

@@ -86,7 +86,7 @@ class PrefillGraph:
     tokens: Tensor  # [R, S] input buffer
     positions: Tensor  # [R, S] 0 .. S-1 (held: the graph reads it, and a freed buffer is soon another tensor's)
     last: Tensor  # [R] input buffer: the position whose logits each row needs
-    out: ModelOutput  # logits [R, 1, V], hidden [R, S, D] output buffers
+    out: ModelOutput  # logits [R, 1, V], hidden [R, S, D] (aux [R, S, n*D] with aux_layers) output buffers
 
 
 class PrefillGraphs:
@@ -97,10 +97,11 @@ class PrefillGraphs:
     least MIN_SPAN), the padding token 0 after the real tokens and in spare rows. Only for the exact
     kernels: every per-token output is then bitwise invariant to the batch and the block it is computed
     in, so the padding changes no real row's logits, hidden states or keys and values. Every shape's
-    scratch cache is a view of one buffer of `max_tokens` slots, and one prefill is read at a time."""
+    scratch cache is a view of one buffer of `max_tokens` slots, and one prefill is read at a time.
+    `aux_layers`: the drafter's target_features (step.py), which every captured forward returns too."""
 
-    def __init__(self, model, max_tokens: int | None = None) -> None:
-        self.model, self.max_tokens = model, max_tokens or prefill_graph_tokens(model)
+    def __init__(self, model, max_tokens: int | None = None, aux_layers: tuple[int, ...] | None = None) -> None:
+        self.model, self.max_tokens, self.aux_layers = model, max_tokens or prefill_graph_tokens(model), aux_layers
         self.slots: KVCache | None = None  # [L, 1, H, max_tokens, Dh], viewed per shape (allocated by the first capture)
         self.graphs: dict[tuple[int, int], PrefillGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -130,7 +131,8 @@ class PrefillGraphs:
         g.last[:m] = last
         g.scratch.lengths.zero_()
         g.graph.replay()
-        return ModelOutput(logits=g.out.logits[:m], hidden=g.out.hidden[:m, :w])
+        aux = None if g.out.aux is None else g.out.aux[:m, :w]
+        return ModelOutput(logits=g.out.logits[:m], hidden=g.out.hidden[:m, :w], aux=aux)
 
     def capture(self, key: tuple[int, int]) -> PrefillGraph:
         R, S = key
@@ -150,12 +152,12 @@ class PrefillGraphs:
         with torch.cuda.stream(side):  # warm up (compile the kernels for this shape)
             for _ in range(2):
                 scratch.lengths.zero_()
-                self.model(tokens, positions, scratch, logits_at=last)
+                self.model(tokens, positions, scratch, logits_at=last, aux_layers=self.aux_layers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         scratch.lengths.zero_()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(tokens, positions, scratch, logits_at=last)
+            out = self.model(tokens, positions, scratch, logits_at=last, aux_layers=self.aux_layers)
         self.graphs[key] = PrefillGraph(graph, scratch, tokens, positions, last, out)
         return self.graphs[key]
 

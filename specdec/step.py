@@ -10,6 +10,11 @@ through masked; they never change):
    the target's KV cache rolled back (chain) or compacted (tree) to what was kept;
 3. commit: the drafter updates its own state from what was kept.
 
+What a drafter reads of the target's forwards (`Verified.hidden`, `join`'s hidden) is its
+`target_features`: the final hidden states, or the concatenated inputs of the target layers it names
+(EAGLE-3), which every target forward of the step and of prefill then returns (`aux_layers`,
+ModelOutput.aux) at the same static shapes.
+
 `Stepper` runs steps. On CUDA it captures each phase once per step shape (gamma, and whether any
 row samples) in a CUDA graph and replays it; elsewhere (or for a drafter that is not graph-safe, or
 with an observer) it runs the phases eagerly. Either way the host learns a step's outcome from one
@@ -35,11 +40,12 @@ from torch import Tensor
 
 from specdec.batch import FINISH_CODES, Request, Row, RowBatch, append, budgets, cut_at_stop_string
 from specdec.costs import Stopwatch
-from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens
+from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
 from specdec.graphs import PrefillGraphs, prefill_graph_tokens
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import kernel_path
+from specdec.models.llama import ModelOutput
 from specdec.sampling import logits_to_probs, sample, uniforms
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
@@ -105,36 +111,43 @@ class Checked:
     accepted: Tensor  # [B] accepted drafts, at most the row's budget
     num_drafted: Tensor  # [B] drafts counted as proposed (a tree: its depth)
     nodes: Tensor  # [B] draft tokens the target verified
-    hidden: Tensor  # [B, D+1, Dm] the target's hidden states at the kept entries, pending token first
+    hidden: Tensor  # [B, D+1, Dm] the target's features (drafter_features) at the kept entries, pending token first
     logits: Tensor  # [B, T, V]
     lanes: int  # uniforms the step consumed per row
 
 
+def drafter_features(out: ModelOutput) -> Tensor:
+    """[B, T, Dm] what the drafter reads of a target forward: the layers it asked for (out.aux, when a
+    forward was given aux_layers), else the final hidden states."""
+    return out.hidden if out.aux is None else out.aux
+
+
 def check_chain(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal | None, budget: Tensor,
-                shape: DraftShape, any_sampled: bool) -> Checked:
+                shape: DraftShape, any_sampled: bool, aux_layers: tuple[int, ...] | None = None) -> Checked:
     """block [B, k+1] = [pending, d1..dk]: one forward at the next positions, chain verification."""
     start, width = cache.lengths, block.shape[1] - 1
-    out = target(block, start[:, None] + torch.arange(width + 1, device=block.device), cache)
+    out = target(block, start[:, None] + torch.arange(width + 1, device=block.device), cache, aux_layers=aux_layers)
     num_drafted = budget.clamp(max=width)
     if proposal is not None and proposal.num_drafted is not None:
         num_drafted = torch.minimum(num_drafted, proposal.num_drafted)
     u = draw_uniforms(batch, shape.lanes, width + 1, any_sampled)
     q = proposal.q if proposal is not None else None
     result = fused.run_compiled(verify_chain, block[:, 1:], q, out.logits, batch.sampling, u, num_drafted, any_sampled)
-    return Checked(result, result.num_accepted, num_drafted, num_drafted, out.hidden, out.logits,
+    return Checked(result, result.num_accepted, num_drafted, num_drafted, drafter_features(out), out.logits,
                    shape.lanes + width + 1)
 
 
 def check_tree(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal, budget: Tensor,
-               shape: DraftShape, any_sampled: bool) -> Checked:
+               shape: DraftShape, any_sampled: bool, aux_layers: tuple[int, ...] | None = None) -> Checked:
     """block [B, N+1] = [pending, nodes]: one forward with the ancestor mask at depth positions, tree verification;
     the accepted path is cut at the row's budget (a prefix of a verified path is verified too)."""
     tree = proposal.tree
     positions, mask = fused.run_compiled(tree_layout, cache.lengths, tree)
-    out = target(block, positions, cache, mask=mask)
+    out = target(block, positions, cache, mask=mask, aux_layers=aux_layers)
     u = draw_uniforms(batch, shape.lanes, tree_uniforms_needed(tree), any_sampled)
     result = fused.run_compiled(verify_tree, block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
-    hidden = out.hidden.gather(1, result.path[..., None].expand(-1, -1, out.hidden.shape[-1]))  # [B, D+1, Dm]
+    features = drafter_features(out)  # [B, N+1, Dm]
+    hidden = features.gather(1, result.path[..., None].expand(-1, -1, features.shape[-1]))  # [B, D+1, Dm]
     return Checked(result, torch.minimum(result.num_accepted, budget), budget.clamp(max=shape.depth),
                    tree.valid().sum(-1), hidden, out.logits, shape.lanes + tree_uniforms_needed(tree))
 
@@ -170,9 +183,10 @@ def tree_layout(start: Tensor, tree: TreeSpec) -> tuple[Tensor, Tensor]:
 
 
 def verify(target, cache: KVCache, batch: RowBatch, proposal: Proposal | None, shape: DraftShape, any_sampled: bool,
-           observe: bool = False) -> StepOutput:
+           observe: bool = False, aux_layers: tuple[int, ...] | None = None) -> StepOutput:
     """Phase 2: the target's verify forward and verification, then the kept tokens appended to the rows
-    (EOS and length stops) and the target's cache rolled back (chain) or compacted (tree) to them."""
+    (EOS and length stops) and the target's cache rolled back (chain) or compacted (tree) to them.
+    aux_layers: the drafter's target_features."""
     took_part = batch.active.clone()  # [B]
     budget = budgets(batch)  # [B]
     start = cache.lengths.clone()  # [B] every token but the pending one is in the cache
@@ -182,7 +196,7 @@ def verify(target, cache: KVCache, batch: RowBatch, proposal: Proposal | None, s
     block = torch.cat([pending, drafts], dim=1)  # [B, T]
     tree = proposal.tree if proposal is not None else None
     check = check_tree if tree is not None else check_chain
-    c = check(target, cache, batch, block, proposal, budget, shape, any_sampled)
+    c = check(target, cache, batch, block, proposal, budget, shape, any_sampled, aux_layers)
     if tree is not None:  # lay the kept path out as a chain in the cache (lengths are set by settle)
         cache.compact(start, c.result.path, torch.where(took_part, c.accepted + 1, 0))
     packed = fused.run_compiled(settle, c.result.tokens, c.accepted, c.num_drafted, c.nodes, took_part, start, c.lanes, batch, cache)
@@ -282,7 +296,7 @@ class Prefill:
     chunk: int | None  # the most tokens (rows x positions) one forward reads; None: whole prompts at once
     scratch: KVCache  # n rows of lengths[0] slots (or more: a captured shape's, see `graph`)
     graph: tuple[int, int] | None  # the PrefillGraphs shape that reads the whole prompts in one replay, if any
-    hidden: Tensor | None = None  # [n, lengths[0], Dm] (allocated by the first chunk, in the target's dtype)
+    hidden: Tensor | None = None  # [n, lengths[0], Dm] the drafter's features (allocated by the first chunk, in the target's dtype)
     done: int = 0  # prompt positions read by every row still reading
     left: int = field(init=False)  # rows still reading: rows[:left]
 
@@ -376,11 +390,12 @@ class Stepper:
     def __init__(self, target, drafter: Drafter, batch: RowBatch, cache: KVCache, graphs: bool,
                  decode: Callable[[list[int]], str] | None = None) -> None:
         self.target, self.drafter, self.batch, self.cache, self.decode = target, drafter, batch, cache, decode
+        self.aux_layers = target_features(drafter)  # asked of every target forward (None: the final hidden states)
         self.graphs = graphs
         self.pipelined = graphs and drafter.graphable  # a host drafter's propose needs the last step's outcome
         self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self.prefill_graphs = PrefillGraphs(target) if graphs and graphs_prefill(target) else None
+        self.prefill_graphs = PrefillGraphs(target, aux_layers=self.aux_layers) if graphs and graphs_prefill(target) else None
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
@@ -429,10 +444,11 @@ class Stepper:
             out = self.prefill_graphs.forward(p.graph, block, last)
         else:
             positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
-            out = self.target(block, positions, p.scratch.head(m), logits_at=last)
+            out = self.target(block, positions, p.scratch.head(m), logits_at=last, aux_layers=self.aux_layers)
+        features = drafter_features(out)  # [m, w, Dm]
         if p.hidden is None:
-            p.hidden = out.hidden.new_empty(len(p.rows), p.lengths[0], out.hidden.shape[-1])  # [n, T, Dm]
-        p.hidden[:m, start : start + width] = out.hidden
+            p.hidden = features.new_empty(len(p.rows), p.lengths[0], features.shape[-1])  # [n, T, Dm]
+        p.hidden[:m, start : start + width] = features
         p.done = start + width
         p.left = sum(n > p.done for n in p.lengths)
         return self.join_read(p, p.left, m, out.logits[p.left : m, 0]) if p.left < m else []
@@ -548,7 +564,7 @@ class Stepper:
         if gamma and proposal is None:
             proposal = propose(self.drafter, self.batch, gamma, shape, any_sampled)
         watch.mark("drafted")
-        out = verify(self.target, self.cache, self.batch, proposal, shape, any_sampled, observe)
+        out = verify(self.target, self.cache, self.batch, proposal, shape, any_sampled, observe, self.aux_layers)
         watch.mark("verified")
         self.drafter.commit(self.batch, out.verified)
         watch.mark("committed")
@@ -580,7 +596,7 @@ class Stepper:
                 with torch.cuda.graph(graphs[0], pool=self.pool):
                     proposal = propose(self.drafter, batch, gamma, shape, any_sampled)
             with torch.cuda.graph(graphs[1], pool=self.pool):
-                out = verify(self.target, self.cache, batch, proposal, shape, any_sampled)
+                out = verify(self.target, self.cache, batch, proposal, shape, any_sampled, aux_layers=self.aux_layers)
             if not host:
                 with torch.cuda.graph(graphs[2], pool=self.pool):
                     self.drafter.commit(batch, out.verified)

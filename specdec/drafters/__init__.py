@@ -1,6 +1,6 @@
 """Drafters, one per file. Importing this package registers them all."""
 
-from specdec.drafters import draft_model, eagle, layer_skip, lookahead, medusa, ngram, none, quantized, suffix  # noqa: F401  (registration side effects)
+from specdec.drafters import draft_model, eagle, eagle3, layer_skip, lookahead, medusa, ngram, none, quantized, suffix  # noqa: F401  (registration side effects)
 from specdec.drafters.base import DRAFTERS, Drafter, DrafterOptions, DraftShape, Proposal, Verified
 from specdec.errors import UserError
 

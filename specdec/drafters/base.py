@@ -51,13 +51,17 @@ class Verified:
     proposal: Proposal
     accepted: Tensor  # [B] accepted draft tokens
     kept: Tensor  # [B] tokens appended to each row (accepted + 1, or fewer where the row stopped)
-    hidden: Tensor  # [B, D+1, Dm] the target's final hidden states at the kept block entries (pending token first)
+    hidden: Tensor  # [B, D+1, Dm] the target's features at the kept block entries (pending token first): see target_features
     logits: Tensor  # [B, T, V] the target's logits over the whole verify block (rejected entries included)
 
 
 class Drafter(Protocol):
     name: str
     graphable: bool  # propose and commit are graph-safe
+    # Optional: the target layers whose input residual streams the drafter reads as its features,
+    # concatenated (EAGLE-3's low, mid and high layers; see target_features). Absent or None: the
+    # target's final hidden states.
+    feature_layers: tuple[int, ...] | None
 
     def shape(self, gamma: int) -> DraftShape: ...
 
@@ -66,8 +70,9 @@ class Drafter(Protocol):
         ...
 
     def join(self, batch: RowBatch, slots: Tensor, hidden: Tensor) -> None:
-        """Rows `slots` [n] were just prefilled: hidden [n, T, Dm] is the target's over their right-padded
-        prompts (batch.prompt_length says how much is real); batch.tokens holds prompt + first token."""
+        """Rows `slots` [n] were just prefilled: hidden [n, T, Dm] is the target's features (target_features)
+        over their right-padded prompts (batch.prompt_length says how much is real); batch.tokens holds
+        prompt + first token."""
         ...
 
     def propose(self, batch: RowBatch, gamma: int, u: Tensor) -> Proposal:
@@ -112,6 +117,12 @@ def register(name: str) -> Callable[[DrafterFactory], DrafterFactory]:
         return factory
 
     return wrap
+
+
+def target_features(drafter) -> tuple[int, ...] | None:
+    """The target layers a drafter reads (`feature_layers`), which the step asks the target's forwards for
+    (`aux_layers`) and hands to `join` and `commit` as `hidden` ([.., n*D]); None: the final hidden states."""
+    return getattr(drafter, "feature_layers", None)
 
 
 def pending_tokens(batch: RowBatch) -> Tensor:

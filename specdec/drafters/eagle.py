@@ -79,16 +79,21 @@ class EagleTreeConfig:
 class EagleState:
     cache: KVCache  # the head's, one row per slot
     root: Tensor  # [B, D] the head's feature for each row's pending token
-    features: Tensor | None = None  # [B, S, D] lazy state only: the target's feature at each position, to feed
+    features: Tensor | None = None  # [B, S, Dm] lazy state only: the target's feature at each position, to feed
 
 
 class EagleDrafter:
-    name = "eagle"
+    """Drafts with an EAGLE head (`eagle`) or an EAGLE-3 head (`eagle3`, models/eagle3.py): both take the
+    target's features through `head.project` at committed positions and their own outputs in the tree."""
+
     graphable = True
 
     def __init__(self, target, head: EagleHead, tree: EagleTreeConfig) -> None:
-        if head.config.vocab_size != target.config.vocab_size or head.config.hidden_size != target.config.hidden_size:
-            raise UserError("this EAGLE head was trained for another target (vocabulary or width differ)")
+        self.name = head.kind
+        problem = head.mismatch(target)
+        if problem:
+            raise UserError(f"this {head.kind} head was trained for another target ({problem})")
+        self.feature_layers = head.feature_layers  # what the step hands join and commit (base.target_features)
         self.head = head.attach(target)
         self.tree = tree
 
@@ -104,7 +109,7 @@ class EagleDrafter:
         cache = self.head.new_cache(B, batch.max_len + spare, static=batch.static)
         dtype = self.head.layers[0].post_attention_layernorm.weight.dtype
         root = torch.zeros(B, D, dtype=dtype, device=batch.device)
-        features = torch.zeros(B, batch.max_len, D, dtype=dtype, device=batch.device) if lazy else None
+        features = torch.zeros(B, batch.max_len, self.head.feature_width, dtype=dtype, device=batch.device) if lazy else None
         batch.draft = EagleState(cache, root, features)
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
@@ -118,7 +123,7 @@ class EagleDrafter:
             return
         scratch = self.head.new_cache(n, T)
         positions = torch.arange(T, device=hidden.device).expand(n, T)
-        out = self.head.features(hidden, batch.tokens[slots, 1 : T + 1], positions, scratch)  # [n, T, D]
+        out = self.head.features(self.head.project(hidden), batch.tokens[slots, 1 : T + 1], positions, scratch)  # [n, T, D]
         state.cache.k[:, slots, :, :T] = scratch.k
         state.cache.v[:, slots, :, :T] = scratch.v
         state.cache.lengths[slots] = lengths
@@ -139,7 +144,7 @@ class EagleDrafter:
         positions = start[:, None] + torch.arange(W, device=dev)  # [B, W]
         next_tokens = batch.tokens.gather(1, (positions + 1).clamp(max=batch.max_len - 1))  # [B, W]
         state.cache.lengths.copy_(start)
-        out = self.head.features(verified.hidden.to(state.root.dtype), next_tokens, positions, state.cache)  # [B, W, D]
+        out = self.head.features(self.head.project(verified.hidden.to(state.root.dtype)), next_tokens, positions, state.cache)  # [B, W, D]
         state.cache.lengths.copy_(torch.where(took_part, start + count, start))
         last = out.gather(1, (count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
         state.root.copy_(torch.where(took_part[:, None], last, state.root))
@@ -153,6 +158,7 @@ class EagleDrafter:
         def feed(cache: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
             top = batch.max_len - 1
             features = state.features[rows].gather(1, positions.clamp(max=top)[..., None].expand(-1, -1, state.features.shape[-1]))
+            features = self.head.project(features)  # [n, w, D]
             next_tokens = batch.tokens[rows].gather(1, (positions + 1).clamp(max=top))  # [n, w]
             out = self.head.features(features, next_tokens, positions, cache)  # [n, w, D]
             return out[torch.arange(out.shape[0], device=out.device), last]  # [n, D]
@@ -293,13 +299,17 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor,
     return tokens.gather(1, keep), tree_parents
 
 
+def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
+    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS, QUANTISED_CPU_TREE)."""
+    given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
+    device = next(target.parameters()).device
+    defaults = {"total_tokens": GPU_TOTAL_TOKENS} if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
+    return EagleTreeConfig(**defaults | given)
+
+
 @register("eagle")
 def build(target, options: DrafterOptions) -> EagleDrafter:
     head = options.extra.get("eagle_head")
     if head is None:
         head = load_eagle_head(trained_folder("eagle", target, options.extra.get("eagle_path"), "--eagle-head"))
-    given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
-    device = next(target.parameters()).device
-    defaults = {"total_tokens": GPU_TOTAL_TOKENS} if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
-    tree = EagleTreeConfig(**defaults | given)
-    return EagleDrafter(target, head, tree)
+    return EagleDrafter(target, head, tree_config(target, options))

@@ -245,13 +245,15 @@ def unsupported(layers: nn.ModuleList, x: Tensor, cache) -> str | None:
 
 def run_layers_cpu(
     layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
-    inv_freq: Tensor, rope_attention_factor: float, window: int | None,
+    inv_freq: Tensor, rope_attention_factor: float, window: int | None, taps=None,
 ) -> Tensor | None:
     """x [B, T, D] through decoder layers over `cache`, as `run_layers` (specdec/models/llama.py): the new
     tokens' keys and values written at slots cache.lengths .. + T - 1 of each row, attending per `mask`
     [B, T, W] (None: causal; see build_attention_mask), RoPE at `positions` [B, T]; cache.lengths
     advanced by T. Returns the new x [B, T, D], or None (nothing done) where `unsupported` says why.
-    UserError when a row's tokens would overflow the cache."""
+    UserError when a row's tokens would overflow the cache. `taps` (llama.Taps): the call is split at
+    the layers it names, and each one's input is kept; the C code rounds the residual stream to the
+    activation dtype after every add, so a split changes no bits."""
     if unsupported(layers, x, cache):
         return None
     prepared = PREPARED[layers]
@@ -274,10 +276,17 @@ def run_layers_cpu(
         window or 0, inv_freq.data_ptr(), rope_attention_factor, cache.k.data_ptr(), cache.v.data_ptr(),
         s_layer, s_row, s_head, s_slot, cache.k.shape[3],
     )
-    status = cpu_gemm.library().specdec_layers(ctypes.addressof(prepared.args), len(layers), ctypes.addressof(stack),
-                                               x.data_ptr(), out.data_ptr())
-    if status != 0:
-        raise UserError(f"sequence would exceed the KV cache of {cache.max_len} slots (context too long)")
+    bounds = sorted({0, len(layers), *(i for i in (taps.layers if taps is not None else ()) if 0 < i < len(layers))})
+    for start, end in zip(bounds, bounds[1:]):  # one call, or one per stretch between tapped layers
+        if taps is not None and start in taps.layers:
+            taps.states[start] = x.clone()
+        offset = start * s_layer * cache.k.element_size()  # this stretch's first layer in the cache
+        stack.k, stack.v = cache.k.data_ptr() + offset, cache.v.data_ptr() + offset
+        status = cpu_gemm.library().specdec_layers(ctypes.addressof(prepared.args) + start * ctypes.sizeof(LayerArgs), end - start,
+                                                   ctypes.addressof(stack), x.data_ptr(), out.data_ptr())
+        if status != 0:
+            raise UserError(f"sequence would exceed the KV cache of {cache.max_len} slots (context too long)")
+        x = out
     cache.lengths += T
     return out
 

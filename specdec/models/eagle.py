@@ -75,6 +75,9 @@ def quantize_head(head: nn.Module) -> None:
 
 
 class EagleHead(nn.Module):
+    kind = "eagle"  # the drafter it drafts for
+    feature_layers = None  # reads the target's final hidden states (drafters.base.target_features)
+
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
@@ -96,16 +99,24 @@ class EagleHead(nn.Module):
         embed = target.embed_tokens
         self.embed_tokens = embed if isinstance(embed, QuantizedEmbedding) else nn.Embedding.from_pretrained(embed.weight.detach(), freeze=True)
         self.lm_head = take_rows(target.lm_head, self.d2t, p.dtype, dequantize=not kernels)
-        if kernels and block_format(target) is not None:
-            quantize_head(self)
-        if kernels:
-            use_cpu_kernels(self)
-            follow_kernels(self, target)
-        else:
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.packed = None
+        follow_target_kernels(self, target, kernels)
         return self
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads (Verified.hidden's last dimension)."""
+        return self.config.hidden_size
+
+    def mismatch(self, target) -> str | None:
+        """Why this head cannot draft for `target` (None: it can)."""
+        c, t = self.config, target.config
+        if (c.vocab_size, c.hidden_size) != (t.vocab_size, t.hidden_size):
+            return f"vocabulary {c.vocab_size}, width {c.hidden_size}; the target's are {t.vocab_size}, {t.hidden_size}"
+        return None
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """The target's features as the head's input at committed positions: EAGLE reads them as they are."""
+        return hidden
 
     def new_cache(self, batch_size: int, max_len: int, static: bool = False) -> KVCache:
         c, p = self.config, self.layers[0].post_attention_layernorm.weight  # the activations' dtype
@@ -120,6 +131,20 @@ class EagleHead(nn.Module):
     def logits(self, features: Tensor) -> Tensor:
         """features [..., D] -> draft-vocabulary logits [..., Vd] (float32)."""
         return self.lm_head(features).float()
+
+
+def follow_target_kernels(head: nn.Module, target, kernels: bool) -> None:
+    """A head's Linear layers on the target's kernel path: packed for the CPU kernels (Q8_0 beside a GGUF
+    target) and the target's kernel choice; kernels=False (training): no packed copies, which would go stale."""
+    if kernels and block_format(target) is not None:
+        quantize_head(head)
+    if kernels:
+        use_cpu_kernels(head)
+        follow_kernels(head, target)
+    else:
+        for module in head.modules():
+            if isinstance(module, Linear):
+                module.packed = None
 
 
 def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:

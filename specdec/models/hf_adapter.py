@@ -81,6 +81,7 @@ class HFAdapter(nn.Module):
         cache: HFCache,
         mask: Tensor | None = None,
         logits_at: Tensor | None = None,  # [1]
+        aux_layers: tuple[int, ...] | None = None,  # HF's hidden_states[i]: the input of layer i (llama.py)
     ) -> ModelOutput:
         if mask is not None:
             raise UserError("tree attention masks need a native model; the transformers adapter runs chains only")
@@ -91,7 +92,8 @@ class HFAdapter(nn.Module):
         )
         cache.lengths += tokens.shape[1]
         logits = out.logits if logits_at is None else out.logits[:, logits_at[0] : logits_at[0] + 1]
-        return ModelOutput(logits=logits.float(), hidden=out.hidden_states[-1])
+        aux = None if aux_layers is None else torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1)
+        return ModelOutput(logits=logits.float(), hidden=out.hidden_states[-1], aux=aux)
 
 
 def load_hf_adapter(folder: Path, dtype: torch.dtype, device: torch.device) -> HFAdapter:

@@ -242,7 +242,7 @@ def on_tensor_device(launch):
 
 @on_tensor_device
 def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
-                     inv_freq: Tensor, attention_factor: float, window: int | None) -> Tensor:
+                     inv_freq: Tensor, attention_factor: float, window: int | None, taps=None) -> Tensor:
     """x [B, T, D] through decoder layers with the Triton kernels: q/k/v (+ norm, RoPE, q/k norm, KV
     write), attention, o_proj (+ residual, + the post-attention norm's input), gate_up (+ norm,
     SiLU·mul), down (+ residual, + the next layer's norm input): five launches per layer, one more per
@@ -250,7 +250,9 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
     the q/k/v kernel; a causal block needs no visibility tables). An RMSNorm is fused as NormedRows: the
     GEMM that produces the residual stream also writes h ⊙ w and the rows' partial sums of squares, and the
     GEMM that takes them scales its accumulator by rstd. Writes the new tokens at slots cache.lengths ..
-    + T - 1; the caller advances cache.lengths."""
+    + T - 1; the caller advances cache.lengths. `taps` (llama.Taps) keeps the residual stream h entering
+    the layers it names: each h is a fresh output of the GEMM before, never written again, so keeping a
+    reference launches nothing."""
     from specdec.models import triton_ops as ops
 
     B, T, D = x.shape
@@ -260,6 +262,8 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
     norm_weight, eps = norm_args(layers[0].input_layernorm)
     h_in = h if norm_weight is None else ops.prenorm(h, norm_weight, eps)  # the first layer's q/k/v input
     for i, layer in enumerate(layers):
+        if taps is not None and i in taps.layers:
+            taps.states[i] = h.view(B, T, D)
         attn, mlp = layer.self_attn, layer.mlp
         k_cache, v_cache = cache.layer(i)  # [B, Hkv, S, Dh]
         q_norm = k_norm = None

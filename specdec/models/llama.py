@@ -1,8 +1,9 @@
 """Native Llama-family transformer: Llama 2/3.x, Mistral, Qwen2/2.5/3, SmolLM.
 
 Contract (shared by every target and draft model):
-    forward(tokens [B, T], positions [B, T], cache, mask [B, T, W] | None, logits_at [B] | None)
-        -> ModelOutput(logits [B, T or 1, V] float32, hidden [B, T, D])
+    forward(tokens [B, T], positions [B, T], cache, mask [B, T, W] | None, logits_at [B] | None,
+            aux_layers (i, j, ...) | None)
+        -> ModelOutput(logits [B, T or 1, V] float32, hidden [B, T, D], aux [B, T, n*D] | None)
 New tokens are written at each row's next free cache slots; `positions` are their RoPE positions
 (for a chain, slot index == position; for a tree, depth positions). `mask` says which of the last W
 slots (the new block and, for W > T, tree nodes written before it) each new token sees (None =
@@ -12,11 +13,17 @@ Kernels (specdec/models/kernels.py): each DecoderLayer's `kernels` ("exact", "li
 no loader set it) says whether forwards over a cache run specdec's Triton kernels on CUDA (block- and
 batch-invariant) or the modules below (cuBLAS/SDPA; on the CPU, packed Linear layers and cpu_attention
 are the exact path).
+
+Auxiliary features (`aux_layers`, for drafters that read the target's inner layers: EAGLE-3): the
+residual stream entering each named decoder layer (HF's `hidden_states[i]`: 0 is the embeddings, i the
+output of layer i - 1), concatenated in the order named. Every kernel path keeps a reference to (or, in
+the C path, a copy of) the stream it computes anyway, so the logits and hidden states are bitwise those
+of a forward without them (see `Taps`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +113,22 @@ class ModelConfig:
 class ModelOutput:
     logits: Tensor  # [B, T, V] (or [B, 1, V] with logits_at), float32
     hidden: Tensor  # [B, T, D] final normed hidden states
+    aux: Tensor | None = None  # [B, T, n*D] the residual stream entering each of `aux_layers` (asked for), concatenated
+
+
+@dataclass
+class Taps:
+    """Where a forward keeps the residual stream entering some decoder layers (`aux_layers`): the layer
+    runners (run_layers and its C and Triton paths) put layer i's input x [B, T, D] in `states[i]` as
+    they pass it. They keep the tensor they compute anyway (a copy in the C path, which splits its one
+    call at the tapped layers): no extra arithmetic, so every output keeps its bits."""
+
+    layers: tuple[int, ...]
+    states: dict[int, Tensor] = field(default_factory=dict)
+
+    def concat(self) -> Tensor:
+        """[B, T, n*D] the tapped states in the order of `layers`."""
+        return torch.cat([self.states[i] for i in self.layers], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +165,16 @@ class Attention(nn.Module):
     ) -> Tensor:
         """kv: this layer's cache (keys, values [B, Hkv, S, Dh]) to write the new tokens into and attend
         over; None: attend within the block (training)."""
+        q, k, v = self.qkv(x, cos, sin)
+        if kv is None:
+            k_all, v_all = k, v
+        else:
+            k_all, v_all = kv  # [B, Hkv, S_max, Dh]
+            write_kv(k_all, v_all, k, v, slots)
+        return self.attend(q, k_all, v_all, attn_mask)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, D] -> q [B, H, T, Dh], k, v [B, Hkv, T, Dh], q and k rotated."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
@@ -153,11 +186,12 @@ class Attention(nn.Module):
         q = fused.run(fused.rotate, q.transpose(1, 2), cos, sin)  # [B, H, T, Dh]
         k = fused.run(fused.rotate, k.transpose(1, 2), cos, sin)  # [B, Hkv, T, Dh]
         v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, Dh]
-        if kv is None:
-            k_all, v_all = k, v
-        else:
-            k_all, v_all = kv  # [B, Hkv, S_max, Dh]
-            write_kv(k_all, v_all, k, v, slots)
+        return q, k, v
+
+    def attend(self, q: Tensor, k_all: Tensor, v_all: Tensor, attn_mask: Tensor) -> Tensor:
+        """q [B, H, T, Dh] over the first S keys and values of k_all, v_all [B, Hkv, >= S, Dh] as attn_mask
+        [B, 1, T, S] allows, then o_proj -> [B, T, D]."""
+        B, _, T, _ = q.shape
         span = attn_mask.shape[-1]
         if self.o_proj.packed is not None and cpu_attention.supports(q):  # the exact CPU path: each query on its own
             return self.o_proj(cpu_attention.attend(q, k_all[:, :, :span], v_all[:, :, :span], attn_mask).transpose(1, 2).reshape(B, T, -1))
@@ -237,18 +271,19 @@ def causal_mask(positions: Tensor, window: int | None) -> Tensor:
 
 def run_layers(
     layers: nn.ModuleList, x: Tensor, positions: Tensor, cache: KVCache | None, mask: Tensor | None,
-    inv_freq: Tensor, rope_attention_factor: float, window: int | None,
+    inv_freq: Tensor, rope_attention_factor: float, window: int | None, taps: Taps | None = None,
 ) -> Tensor:
     """x [B, T, D] through decoder layers. With a cache: written at each row's next slots, attending per
-    `mask` (see build_attention_mask). cache=None: causal within the block (training, no cache)."""
+    `mask` (see build_attention_mask). cache=None: causal within the block (training, no cache). `taps`:
+    keep the inputs of those layers (Taps)."""
     if len(layers) and cache is not None and not torch.is_grad_enabled() and kernels.runs_triton(layers[0], x.device, x.dtype):
         if not getattr(cache, "static", False):
             cache.reserve(x.shape[1])  # fails loudly on overflow (a static cache's caller keeps within max_len)
-        x = kernels.run_layers_exact(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
+        x = kernels.run_layers_exact(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window, taps)
         cache.lengths += x.shape[1]
         return x
     if cache is not None and x.device.type == "cpu":  # every layer in one C call, where it covers them (cpu_layer.py)
-        out = cpu_layer.run_layers_cpu(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window)
+        out = cpu_layer.run_layers_cpu(layers, x, positions, cache, mask, inv_freq, rope_attention_factor, window, taps)
         if out is not None:
             return out
     cos, sin = rope_cos_sin(positions, inv_freq, rope_attention_factor, x.dtype)
@@ -258,6 +293,8 @@ def run_layers(
         slots = cache.reserve(x.shape[1])  # [B, T]
         attn_mask = build_attention_mask(cache.lengths, slots, positions, mask, window, cache.max_len if cache.static else None)
     for i, layer in enumerate(layers):
+        if taps is not None and i in taps.layers:
+            taps.states[i] = x
         x = layer(x, cos, sin, None if cache is None else cache.layer(i), slots, attn_mask)
     if cache is not None:
         cache.lengths += x.shape[1]
@@ -302,16 +339,21 @@ class LlamaModel(nn.Module):
         cache: KVCache,
         mask: Tensor | None = None,  # [B, T, W] bool, True = sees (see build_attention_mask)
         logits_at: Tensor | None = None,  # [B] the one position per row that needs logits
+        aux_layers: tuple[int, ...] | None = None,  # layers whose input residual stream to return (ModelOutput.aux)
     ) -> ModelOutput:
         x = self.embed_tokens(tokens)  # [B, T, D]
-        x = run_layers(self.layers, x, positions, cache, mask, self.inv_freq, self.rope_attention_factor, self.config.sliding_window)
+        taps = None if aux_layers is None else Taps(aux_layers)
+        x = run_layers(self.layers, x, positions, cache, mask, self.inv_freq, self.rope_attention_factor, self.config.sliding_window,
+                       taps)
+        aux = None if taps is None else taps.concat()  # [B, T, n*D]
         exact = len(self.layers) > 0 and kernels.runs_triton(self.layers[0], x.device, x.dtype)
         head = None if exact else cpu_layer.norm_and_logits(self.norm, self.lm_head, x, logits_at)  # the CPU's C path
         if head is not None:
-            return ModelOutput(logits=head[1], hidden=head[0])
+            return ModelOutput(logits=head[1], hidden=head[0], aux=aux)
         hidden = kernels.norm_exact(self.norm, x) if exact else self.norm(x)  # [B, T, D]
         h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
-        return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden)
+        return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden,
+                           aux=aux)
 
 
 def random_llama(config: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,

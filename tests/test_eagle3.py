@@ -1,0 +1,141 @@
+"""The EAGLE-3 head and drafter (`eagle3`): the target's inner-layer features, lossless drafting, training
+with training-time test, and the speculators / vLLM / SGLang layout.
+
+Greedy output equals plain greedy decoding on a tiny target with unsharpened (nearly tied) logits in
+float32 on the exact kernels, at gamma 2 and 4, alone and batched; sampled output follows plain
+sampling's distribution; asking a forward for inner layers changes none of its bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from conftest import DEVICE, build_hf, save_hf, tiny_pair
+from specdec import SamplingParams
+from specdec.batch import eos_ids
+from specdec.drafters import DrafterOptions
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+from specdec.errors import UserError
+from specdec.models import load_model
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, load_eagle3_head, save_eagle3_head
+from specdec.models.kernels import kernel_path
+from specdec.step import new_stepper
+from test_lazy_drafters import MAX_LEN, SCHEDULE, eager_stepper, run_schedule
+from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
+
+PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
+MAX_NEW = 32
+LAYERS = 6  # the tiny target's depth: default_feature_layers(6) = (2, 3, 3)
+TREE = EagleTreeConfig(depth=4, branch=3, frontier=3, total_tokens=12)
+
+
+def random_head3(target, draft_vocab: int | None = None, seed: int = 0, feature_layers: tuple[int, ...] | None = None) -> Eagle3Head:
+    torch.manual_seed(seed)
+    c = target.config
+    head = Eagle3Head(Eagle3Config.for_target(c, draft_vocab or c.vocab_size, feature_layers=feature_layers))
+    if draft_vocab:
+        head.d2t = torch.randperm(c.vocab_size)[:draft_vocab].sort().values
+    return head
+
+
+@pytest.fixture(scope="module")
+def flat(tmp_path_factory):
+    """(target, its HF model, plain greedy outputs): an unsharpened tiny float32 Llama on the exact kernels."""
+    tmp = tmp_path_factory.mktemp("eagle3")
+    hf = build_hf("llama", seed=0, num_hidden_layers=LAYERS)
+    target = load_model(str(save_hf(hf, tmp / "t")), dtype="float32", device=DEVICE, kernels="exact")
+    assert kernel_path(target).exact
+    plain = specdec.SpecEngine(target, "none").generate(PROMPTS, specdec.SpecConfig(max_new_tokens=MAX_NEW))
+    return target, hf.to(DEVICE), [r.token_ids for r in plain.rows]
+
+
+def test_default_feature_layers_follow_the_reference():
+    assert default_feature_layers(30) == (2, 15, 27)
+    assert default_feature_layers(LAYERS) == (2, 3, 3)
+    assert default_feature_layers(2) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("kernels", ["exact", "library"])
+def test_aux_layers_are_the_layers_inputs_and_change_no_bits(flat, tmp_path, kernels):
+    """ModelOutput.aux is HF's hidden_states[i] (the input of layer i) side by side, and a forward asked for
+    them gives the same logits and hidden states, bit for bit, on the C path (exact) and the PyTorch one."""
+    _, hf, _ = flat
+    target = load_model(str(save_hf(hf.cpu(), tmp_path / "t")), dtype="float32", device=DEVICE, kernels=kernels)
+    hf.to(DEVICE)
+    tokens = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]], device=DEVICE)  # [2, 7]
+    positions = torch.arange(7, device=DEVICE).expand(2, 7)
+    layers = (0, 2, 5)
+    plain = target(tokens, positions, target.new_cache(2, 16))
+    tapped = target(tokens, positions, target.new_cache(2, 16), aux_layers=layers)
+    assert torch.equal(plain.logits, tapped.logits) and torch.equal(plain.hidden, tapped.hidden)
+    with torch.no_grad():
+        states = hf(input_ids=tokens, output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i] for i in layers], dim=-1)  # [2, 7, 3D]
+    assert tapped.aux.shape == (2, 7, 3 * target.config.hidden_size)
+    torch.testing.assert_close(tapped.aux, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eagle3_greedy_equals_plain_with_near_ties(flat, gamma, batch):
+    target, _, plain = flat
+    prompts, expected = (PROMPTS, plain) if batch == 3 else (PROMPTS[2:], plain[2:])
+    drafter = EagleDrafter(target, random_head3(target, draft_vocab=64), TREE)
+    assert drafter.name == "eagle3" and drafter.feature_layers == (2, 3, 3)
+    out = specdec.SpecEngine(target, drafter).generate(prompts, specdec.SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.draft_nodes > 0
+
+
+def test_eagle3_caught_up_drafts_equal_eager_ones(flat):
+    """The lazy catch-up (eager steppers) feeds project(aux) at the positions eager feeding would: same drafts."""
+    target, _, _ = flat
+    drafter = EagleDrafter(target, random_head3(target, draft_vocab=64), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=6))
+    lazy = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+    assert lazy.batch.draft.features.shape[-1] == 3 * target.config.hidden_size
+    lazy_drafts = run_schedule(lazy)
+    assert lazy_drafts == run_schedule(eager_stepper(target, drafter))
+    assert len(lazy_drafts) == sum(g > 0 for g, _ in SCHEDULE)
+
+
+def test_eagle3_sampling_matches_plain_sampling(tmp_path):
+    target = tiny_pair(tmp_path, "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
+    config = lambda seed: specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))  # noqa: E731
+    plain_tokens = tokens_of(specdec.SpecEngine(target, "none").generate([PROMPT] * ROWS, config(1)))
+    drafter = EagleDrafter(target, random_head3(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
+    out = specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, config(2))
+    assert 0 < out.stats.accepted < out.stats.drafted
+    pvalues = distribution_pvalues(tokens_of(out), plain_tokens)
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
+
+
+def test_eagle3_registered_and_saved_head_round_trips(flat, tmp_path):
+    target, _, _ = flat
+    head = random_head3(target, draft_vocab=32, seed=3)
+    save_eagle3_head(head, tmp_path / "head")
+    loaded = load_eagle3_head(tmp_path / "head")
+    assert loaded.config == head.config
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    options = DrafterOptions(extra={"eagle3_path": str(tmp_path / "head")})
+    config = specdec.SpecConfig(gamma=4, max_new_tokens=12)
+    out_a = specdec.SpecEngine(target, "eagle3", options).generate(PROMPTS, config)
+    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, EagleTreeConfig())).generate(PROMPTS, config)
+    assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
+
+
+def test_a_head_of_another_target_is_one_clear_error(flat, tmp_path):
+    target, _, _ = flat
+    other = tiny_pair(tmp_path, "llama", seed=2, num_hidden_layers=4)[0]  # same vocabulary and width, 4 layers
+    with pytest.raises(UserError, match="eagle3 head was trained for another target.*6 layers"):
+        EagleDrafter(other, random_head3(target), TREE)
+    with pytest.raises(UserError, match="feature layers"):
+        random_head3(target, feature_layers=(1, 6))
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "config.json").write_text('{"specdec_drafter": "eagle"}')
+    (tmp_path / "eagle" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="not an EAGLE-3 head"):
+        load_eagle3_head(tmp_path / "eagle")
+    with pytest.raises(UserError, match="--eagle3-head"):
+        specdec.SpecEngine(target, "eagle3")
