@@ -139,3 +139,87 @@ def test_a_head_of_another_target_is_one_clear_error(flat, tmp_path):
         load_eagle3_head(tmp_path / "eagle")
     with pytest.raises(UserError, match="--eagle3-head"):
         specdec.SpecEngine(target, "eagle3")
+
+
+# ---- training with training-time test -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny sharp target and Features of its own greedy continuations of random prompts (like --data self)."""
+    from specdec.train.data import Example, Features, teacher_force
+
+    target = tiny_pair(tmp_path_factory.mktemp("eagle3-train"), "llama", seed=0, logit_scale=8.0, num_hidden_layers=4)[0]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (6,), generator=g).tolist() for _ in range(40)]
+    rows = specdec.SpecEngine(target, "none").generate(prompts, specdec.SpecConfig(max_new_tokens=20)).rows
+    examples = [Example(p, r.token_ids) for p, r in zip(prompts, rows)]
+    features = Features([torch.tensor(e.prompt + e.response) for e in examples], teacher_force(target, examples, progress=False),
+                        [len(e.prompt) for e in examples], "self")
+    return target, features
+
+
+SMALL = dict(batch_tokens=256, lr=3e-3, draft_vocab=64, held_out=0.15, warmup=4, ttt_steps=3)
+
+
+def test_ttt_mask_sees_step_zero_causally_and_each_later_step_on_the_diagonal():
+    from specdec.train.eagle3 import ttt_mask
+
+    assert ttt_mask(3, 0).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert ttt_mask(3, 2).int().tolist() == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                                             [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                                             [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+
+
+def test_ttt_unroll_is_what_chain_drafting_computes(corpus):
+    """Training's unroll (differentiable, no cache) gives the head's outputs of the drafting path (a KV cache,
+    tree masks), and those are a chain drafted from one anchor, fed as the drafter feeds it."""
+    from specdec.train.eagle3 import unroll, unroll_drafting
+
+    target, _ = corpus
+    head = random_head3(target, draft_vocab=64).attach(target, kernels=False).float()
+    tokens = torch.tensor([[5, 17, 3, 9, 44, 2, 71, 8]], device=DEVICE)  # [1, 8]
+    out = target(tokens, torch.arange(8, device=DEVICE)[None], target.new_cache(1, 8), aux_layers=head.feature_layers)
+    with torch.no_grad():
+        g = head.project(out.aux)  # [1, 8, D]
+        trained, drafted = unroll(head, g, tokens, 3), unroll_drafting(head, g, tokens, 3)
+        for a, b in zip(trained, drafted):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        t = 4  # a chain from anchor t: committed pairs 0..t, then (h^{k-1}_t, x_{t+k+1}) at position t+k
+        cache = head.new_cache(1, 16)
+        h = head.features(g[:, : t + 1], tokens[:, 1 : t + 2], torch.arange(t + 1, device=DEVICE)[None], cache)[:, -1:]
+        for k in (1, 2):
+            h = head.features(h, tokens[:, t + k + 1 : t + k + 2], torch.tensor([[t + k]], device=DEVICE), cache)
+            torch.testing.assert_close(h[0, 0], trained[k][0, t], rtol=1e-5, atol=1e-5)
+
+
+def test_training_learns_and_resumes_to_the_same_weights(corpus, tmp_path, monkeypatch):
+    from specdec.train import eagle3 as train3
+    from specdec.train.common import load_checkpoint
+
+    target, features = corpus
+    config = train3.Eagle3TrainConfig(steps=12, checkpoint_every=4, evaluations=1, **SMALL)
+    whole = train3.train_eagle3(target, features, config, tmp_path / "whole", progress=False)
+    again = train3.train_eagle3(target, features, config, tmp_path / "again", progress=False)
+    assert whole.history[-1]["train_loss"] < whole.history[0]["train_loss"]
+    assert len(whole.held_out.tau) == 3 and whole.held_out.tau[0] <= whole.held_out.tau[-1] <= 4
+    real_step, calls = train3.train_step, []
+
+    def interrupted_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 10:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train3, "train_step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        train3.train_eagle3(target, features, config, tmp_path / "cut", progress=False)
+    monkeypatch.setattr(train3, "train_step", real_step)
+    assert load_checkpoint(tmp_path / "cut", config.resume_key(features)).step == 8
+    resumed = train3.train_eagle3(target, features, config, tmp_path / "cut", resume=True, progress=False)
+    for (name, a), b, c in zip(whole.head.state_dict().items(), resumed.head.state_dict().values(), again.head.state_dict().values()):
+        assert torch.equal(a, b) and torch.equal(a, c), name
+    assert resumed.history == whole.history
+    other = train3.Eagle3TrainConfig(steps=12, checkpoint_every=4, evaluations=1, **{**SMALL, "ttt_steps": 2})
+    with pytest.raises(UserError, match="ttt_steps"):
+        train3.train_eagle3(target, features, other, tmp_path / "cut", resume=True, progress=False)
