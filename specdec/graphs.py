@@ -101,7 +101,8 @@ class PrefillGraphs:
     `aux_layers`: the drafter's target_features (step.py), which every captured forward returns too."""
 
     def __init__(self, model, max_tokens: int | None = None, aux_layers: tuple[int, ...] | None = None) -> None:
-        self.model, self.max_tokens, self.aux_layers = model, max_tokens or prefill_graph_tokens(model), aux_layers
+        self.model, self.max_tokens = model, max_tokens or prefill_graph_tokens(model)
+        self.aux_args = {} if aux_layers is None else {"aux_layers": aux_layers}  # as step.aux_args
         self.slots: KVCache | None = None  # [L, 1, H, max_tokens, Dh], viewed per shape (allocated by the first capture)
         self.graphs: dict[tuple[int, int], PrefillGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -152,12 +153,12 @@ class PrefillGraphs:
         with torch.cuda.stream(side):  # warm up (compile the kernels for this shape)
             for _ in range(2):
                 scratch.lengths.zero_()
-                self.model(tokens, positions, scratch, logits_at=last, aux_layers=self.aux_layers)
+                self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         scratch.lengths.zero_()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.model(tokens, positions, scratch, logits_at=last, aux_layers=self.aux_layers)
+            out = self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
         self.graphs[key] = PrefillGraph(graph, scratch, tokens, positions, last, out)
         return self.graphs[key]
 

@@ -122,11 +122,17 @@ def drafter_features(out: ModelOutput) -> Tensor:
     return out.hidden if out.aux is None else out.aux
 
 
+def aux_args(aux_layers: tuple[int, ...] | None) -> dict:
+    """A target forward's keyword for the drafter's features: none where it reads the final hidden states
+    (so any target, or a wrapper of one, works as before), else aux_layers."""
+    return {} if aux_layers is None else {"aux_layers": aux_layers}
+
+
 def check_chain(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal | None, budget: Tensor,
                 shape: DraftShape, any_sampled: bool, aux_layers: tuple[int, ...] | None = None) -> Checked:
     """block [B, k+1] = [pending, d1..dk]: one forward at the next positions, chain verification."""
     start, width = cache.lengths, block.shape[1] - 1
-    out = target(block, start[:, None] + torch.arange(width + 1, device=block.device), cache, aux_layers=aux_layers)
+    out = target(block, start[:, None] + torch.arange(width + 1, device=block.device), cache, **aux_args(aux_layers))
     num_drafted = budget.clamp(max=width)
     if proposal is not None and proposal.num_drafted is not None:
         num_drafted = torch.minimum(num_drafted, proposal.num_drafted)
@@ -143,7 +149,7 @@ def check_tree(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal:
     the accepted path is cut at the row's budget (a prefix of a verified path is verified too)."""
     tree = proposal.tree
     positions, mask = fused.run_compiled(tree_layout, cache.lengths, tree)
-    out = target(block, positions, cache, mask=mask, aux_layers=aux_layers)
+    out = target(block, positions, cache, mask=mask, **aux_args(aux_layers))
     u = draw_uniforms(batch, shape.lanes, tree_uniforms_needed(tree), any_sampled)
     result = fused.run_compiled(verify_tree, block[:, 1:], proposal.q, tree, out.logits, batch.sampling, u, any_sampled)
     features = drafter_features(out)  # [B, N+1, Dm]
@@ -444,7 +450,7 @@ class Stepper:
             out = self.prefill_graphs.forward(p.graph, block, last)
         else:
             positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
-            out = self.target(block, positions, p.scratch.head(m), logits_at=last, aux_layers=self.aux_layers)
+            out = self.target(block, positions, p.scratch.head(m), logits_at=last, **aux_args(self.aux_layers))
         features = drafter_features(out)  # [m, w, Dm]
         if p.hidden is None:
             p.hidden = features.new_empty(len(p.rows), p.lengths[0], features.shape[-1])  # [n, T, Dm]
