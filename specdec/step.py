@@ -343,11 +343,11 @@ def step_shape(drafter: Drafter, gamma: int) -> tuple[int, DraftShape]:
     return (gamma, shape) if shape.width else (0, DraftShape(0, 0))
 
 
-def run_shapes(drafter: Drafter, gamma: int) -> list[tuple[int, DraftShape]]:
+def run_shapes(drafter: Drafter, gamma: int, any_sampled: bool) -> list[tuple[int, DraftShape]]:
     """(gamma, shape) of every step a step asked at `gamma` may run as: itself, and for a host drafter's
-    chain (`narrow`) each narrower gamma it may be cut to, 0 included."""
+    greedy chain (`narrow`) each narrower gamma it may be cut to, 0 included."""
     shape = drafter.shape(gamma) if gamma else DraftShape(0, 0)
-    if drafter.graphable or not gamma or shape.tree:
+    if drafter.graphable or not gamma or shape.tree or any_sampled:
         return [(gamma, shape)]
     return [step_shape(drafter, g) for g in [0, *narrow_gammas(gamma)]]
 
@@ -358,15 +358,17 @@ def narrow_gammas(gamma: int) -> list[int]:
     return [g for g in (1 << i for i in range(gamma.bit_length())) if g < gamma] + [gamma]
 
 
-def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal) -> tuple[int, DraftShape, Proposal | None]:
-    """A deterministic chain cut to the narrowest step gamma that holds its longest row, where the host knows
-    it without a device sync (`longest_row`): a step verifies no wider than what was drafted, and where no
-    row drafted it is a plain step (gamma 0, no proposal). A host drafter's proposal length follows its
-    matches (suffix: the pattern's length), so a large gamma costs nothing where the matches are short; on a
-    CPU an n-gram step where no row found a match runs as a plain step. A tree, and a draft that consumed
-    uniforms (the verify's lanes follow the drafts'), keep their shape."""
+def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal,
+           any_sampled: bool) -> tuple[int, DraftShape, Proposal | None]:
+    """A deterministic chain of a greedy batch cut to the narrowest step gamma that holds its longest row,
+    where the host knows it without a device sync (`longest_row`): a step verifies no wider than what was
+    drafted, and where no row drafted it is a plain step (gamma 0, no proposal). A host drafter's proposal
+    length follows its matches (suffix: the pattern's length), so a large gamma costs nothing where the
+    matches are short; on a CPU an n-gram step where no row found a match runs as a plain step.
+    A tree keeps its shape, and so does a batch where a row samples: a sampled row's draws advance by the
+    step's width, which would then follow its neighbours' drafts, and its seeded output with them."""
     longest = longest_row(proposal)
-    if shape.tree or shape.lanes or proposal.q is not None or longest is None:
+    if any_sampled or shape.tree or shape.lanes or proposal.q is not None or longest is None:
         return gamma, shape, proposal
     g = next((g for g in narrow_gammas(gamma) if g >= longest), gamma) if longest else 0
     if g == gamma:
@@ -494,8 +496,8 @@ class Stepper:
     @entry_point
     def launch(self, gamma: int, observer: Observer | None = None, eager: bool = False) -> Launched:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
-        with an observer, or when asked). A chain whose longest row the host knows (a host drafter's; any
-        on a CPU) runs at the narrowest gamma that holds it (`narrow`)."""
+        with an observer, or when asked). A greedy batch's chain whose longest row the host knows (a host
+        drafter's; any on a CPU) runs at the narrowest gamma that holds it (`narrow`)."""
         t = time.perf_counter()
         batch, drafter = self.batch, self.drafter
         gamma, shape = step_shape(drafter, gamma)
@@ -503,14 +505,14 @@ class Stepper:
         batch.sampling.max_top_k = max_top_k
         graphed = self.graphs and observer is None and not eager
         if graphed:  # every shape this step may run at, before its clock starts
-            for g, s in run_shapes(drafter, gamma):
+            for g, s in run_shapes(drafter, gamma, any_sampled):
                 if (g, any_sampled, max_top_k) not in self.captured:
                     self.capture((g, any_sampled, max_top_k), s)
         watch = Stopwatch(self.device)
         watch.mark("start")
         proposal = None
         if gamma and not (graphed and drafter.graphable):  # proposed first: what was drafted may settle the step's shape
-            gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled))
+            gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled), any_sampled)
         if graphed:
             captured = self.captured[(gamma, any_sampled, max_top_k)]
             if captured.propose is not None:
@@ -544,8 +546,8 @@ class Stepper:
             return 0
         new, bound = 0, self.batch.sampling.max_top_k
         self.batch.sampling.max_top_k = 0
-        for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0])}:
-            for any_sampled in (False, True):
+        for any_sampled in (False, True):
+            for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0], any_sampled)}:
                 key = (gamma, any_sampled, 0)
                 if key not in self.captured:
                     self.capture(key, shape)

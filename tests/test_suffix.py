@@ -276,7 +276,7 @@ def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
     tokens = torch.arange(32).view(2, 16)
     for longest, expected in [(0, 0), (1, 1), (3, 4), (9, 16), (16, 16)]:
         proposal = Proposal(tokens, num_drafted=torch.tensor([longest, 0]), longest=longest)
-        gamma, shape, cut = narrow(drafter, 16, chain, proposal)
+        gamma, shape, cut = narrow(drafter, 16, chain, proposal, False)
         assert gamma == expected and shape.width == expected
         assert (cut is None) == (expected == 0)
         if cut is not None:
@@ -284,13 +284,15 @@ def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
     assert narrow_gammas(12) == [1, 2, 4, 8, 12] and narrow_gammas(1) == [1]
     tree = SuffixDrafter(SuffixConfig(tree_nodes=8))
     proposal = Proposal(tokens[:, :8])
-    assert narrow(tree, 16, tree.shape(16), proposal) == (16, tree.shape(16), proposal)
+    assert narrow(tree, 16, tree.shape(16), proposal, False) == (16, tree.shape(16), proposal)
     ngram = build_drafter("ngram", None)  # a device drafter: its longest row is read off num_drafted on a CPU only
     found = Proposal(tokens, num_drafted=torch.tensor([0, 16]))
-    assert narrow(ngram, 16, ngram.shape(16), found)[0] == 16
-    assert narrow(ngram, 16, ngram.shape(16), Proposal(tokens, num_drafted=torch.zeros(2, dtype=torch.long)))[:2] == (0, DraftShape(0, 0))
+    assert narrow(ngram, 16, ngram.shape(16), found, False)[0] == 16
+    nothing = Proposal(tokens, num_drafted=torch.zeros(2, dtype=torch.long))
+    assert narrow(ngram, 16, ngram.shape(16), nothing, False)[:2] == (0, DraftShape(0, 0))
+    assert narrow(ngram, 16, ngram.shape(16), nothing, True) == (16, ngram.shape(16), nothing)  # a row samples: kept whole
     sampled = Proposal(tokens, q=torch.ones(2, 16, 3), num_drafted=torch.tensor([1, 1]))  # drew uniforms: kept whole
-    assert narrow(ngram, 16, ngram.shape(16), sampled) == (16, ngram.shape(16), sampled)
+    assert narrow(ngram, 16, ngram.shape(16), sampled, False) == (16, ngram.shape(16), sampled)
 
 
 def test_a_second_identical_request_through_the_server_accepts_more(models):  # noqa: F811
