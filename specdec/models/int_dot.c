@@ -108,6 +108,13 @@ typedef void (*rows_fn)(const q8_rows *x, int m0, const uint8_t *panel, float *y
 #include <immintrin.h>
 
 #define F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+/* The block PREFETCH_AHEAD bytes on (in this panel or the next; a panel stream is contiguous): the
+ * hardware's prefetch alone left the one-row kernel waiting on memory (LM head 576 x 49152 on one
+ * thread: 1.51 against 1.69 ms, the variants alternating call by call on the 2-core AMD EPYC). */
+#define PREFETCH_AHEAD 2048
+#define PREFETCH(blk)                                                                                     \
+    for (int line = 0; line < NR * 4 + QK * NR / 2; line += 64)                                           \
+        _mm_prefetch((const char *)(blk) + PREFETCH_AHEAD + line, _MM_HINT_T0);
 
 /* Row i's int16 sums (columns 0-7, 8-15) of the current block and its float accumulators. */
 #define A8_STATE(i) __m256 f##i##0 = _mm256_setzero_ps(), f##i##1 = f##i##0; __m256i a##i##0, a##i##1;
@@ -152,6 +159,7 @@ typedef void (*rows_fn)(const q8_rows *x, int m0, const uint8_t *panel, float *y
         for (int b = 0; b < nb; b++, blk += block_bytes(Q4_1)) {                                          \
             const int8_t *xq = x->q + (size_t)m0 * K + (size_t)b * QK;                                    \
             const uint8_t *groups = blk + NR * (Q4_1 ? 4 : 2);                                            \
+            PREFETCH(blk)                                                                                 \
             A8_ZERO(0, R) A8_ZERO(1, R) A8_ZERO(2, R) A8_ZERO(3, R)                                       \
             for (int g = 0; g < GROUPS; g++) {                                                            \
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(groups + 32 * g));                 \
