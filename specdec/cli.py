@@ -297,12 +297,13 @@ def add_analyze_args(a: argparse.ArgumentParser) -> None:
 
 
 def add_export_args(x: argparse.ArgumentParser) -> None:
-    x.add_argument("drafter", nargs="?", default=None, help="eagle, medusa or draft_model (the shipped one for the default "
-                   "model unless --drafter-path)")
-    x.add_argument("--layout", default=None, help="eagle: vllm, sglang, speculators, reference; medusa: vllm, medusa; "
-                   "draft_model: hf (vllm, sglang: the same plain HF folder)")
+    x.add_argument("drafter", nargs="?", default=None, help="eagle, eagle3, medusa or draft_model (the shipped one for the "
+                   "default model unless --drafter-path; eagle3 has none shipped)")
+    x.add_argument("--layout", default=None, help="eagle: vllm, sglang, speculators, reference; eagle3: vllm (= speculators: "
+                   "speculators_model_type eagle3), sglang (SafeAILab EAGLE-3 names, LlamaForCausalLMEagle3); medusa: vllm, "
+                   "medusa; draft_model: hf (vllm, sglang: the same plain HF folder)")
     x.add_argument("--out", default=None, help="folder to write (default runs/export/<drafter>-<layout>)")
-    x.add_argument("--drafter-path", default=None, help="a folder written by `specdec train eagle|medusa|draft`")
+    x.add_argument("--drafter-path", default=None, help="a folder written by `specdec train eagle|eagle3|medusa|draft`")
     x.add_argument("--target-name", default=None, help="the target as the runtime names it (hub id or path) for the "
                    "config and the printed commands (default: --model; the default model's hub id)")
     x.add_argument("--speculative-tokens", type=int, default=3, help="draft tokens per step written into speculators' "

@@ -4,12 +4,13 @@ the layout another runtime loads, validated against that runtime's schema (specd
     drafter       layouts                                   needs the target?
     eagle         vllm, sglang, speculators                 no (embeddings and LM head stay the target's)
                   reference (SafeAILab/EAGLE)               yes (the head carries a copy of the embeddings)
+    eagle3        vllm (= speculators), sglang              no (embeddings stay the target's; the LM head is its own)
     medusa        vllm, medusa (FasterDecoding/Medusa)      yes (the LM head rows are written with the heads)
     draft_model   hf (= vllm = sglang: one plain HF folder)  yes (the embeddings and LM head are the target's)
 
 The shipped drafters fit only the default model (their target probe is checked when the target is
 loaded); `--drafter-path` takes a folder `specdec train eagle|medusa|draft` wrote (what generate reads
-with --eagle-head / --medusa-heads / --draft-model). `--check DIR` validates an existing folder.
+with --eagle-head / --eagle3-head / --medusa-heads / --draft-model; no EAGLE-3 head is shipped). `--check DIR` validates an existing folder.
 Besides the layout's files, the folder gets specdec_export.json (what was written, from what, and the
 commands to use it; no runtime reads it).
 """
@@ -40,7 +41,7 @@ from specdec.interop.schema import (
 # serving the default model loads.
 DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ALIASES = {"draft": "draft_model"}
-TRAIN_NAME = {"eagle": "eagle", "medusa": "medusa", "draft_model": "draft"}  # specdec train <x>, data/drafters/<x>
+TRAIN_NAME = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft"}  # specdec train <x>, data/drafters/<x>
 OUR_FILES = ("config.json", "model.safetensors", D2T_FILE, REFERENCE_D2T, "medusa_lm_head.safetensors", MANIFEST)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM"}
@@ -83,14 +84,14 @@ def resolve_names(drafter: str | None, layout: str | None) -> tuple[str, str]:
 
 
 def kind_of_folder(folder: Path) -> str | None:
-    """What `specdec train` wrote into `folder` (eagle, medusa, draft_model), None if none of them."""
+    """What `specdec train` wrote into `folder` (eagle, eagle3, medusa, draft_model), None if none of them."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if not isinstance(config, dict):
         return None
-    if config.get("specdec_drafter") in ("eagle", "medusa"):
+    if config.get("specdec_drafter") in ("eagle", "eagle3", "medusa"):
         return config["specdec_drafter"]
     return "draft_model" if config.get("specdec_shared_embeddings") else None
 
@@ -143,7 +144,7 @@ def clear_out(out: Path) -> None:
 
 
 def needs_target(kind: str, layout: str) -> bool:
-    return kind != "eagle" or layout == "reference"
+    return kind not in ("eagle", "eagle3") or layout == "reference"
 
 
 def load_target(args: argparse.Namespace, kind: str, source: Path, shipped: bool):
@@ -176,6 +177,11 @@ def write(kind: str, layout: str, source: Path, out: Path, target, target_name: 
         model_type = target.config.model_type if target is not None else "llama"
         archs = (HF_ARCHITECTURES.get(model_type, "LlamaForCausalLM"),)
         return export_eagle(head, out, layout, target_name, tokens, archs)
+    if kind == "eagle3":
+        from specdec.interop.eagle3 import export_eagle3
+        from specdec.models.eagle3 import load_eagle3_head
+
+        return export_eagle3(load_eagle3_head(source), out, layout, target_name, tokens)
     if kind == "medusa":
         from specdec.models.medusa import export_medusa, load_medusa_heads
 
@@ -237,6 +243,11 @@ def usage(kind: str, layout: str, out: Path, target: str, tokens: int, d2t: bool
             return [f"EagleSpeculator.from_pretrained('{out}', verifier='{target}') (speculators 0.3.0 .. 0.6.0.1)"]
         return [f"EaModel.from_pretrained(base_model_path='{target}', ea_model_path='{out}', use_eagle3=False) "
                 "(SafeAILab/EAGLE)"]
+    if kind == "eagle3":
+        vllm = f"vllm serve {target} --speculative-config '{spec('eagle3')}'"
+        if layout == "sglang":
+            return [sglang("EAGLE3"), vllm + " (vLLM loads this layout too; for non-default taps use --layout vllm)"]
+        return [vllm, f"Eagle3Speculator.from_pretrained('{out}', verifier='{target}') (speculators)"]
     if kind == "medusa":
         if layout == "vllm":
             return [f"vllm serve {target} --speculative-config '{spec('medusa')}'"]

@@ -32,6 +32,22 @@ vLLM (vllm-project/vllm)
   `speculators_model_type` must name a registered algorithm: "eagle3" (later also "peagle", "dflash").
   "eagle" (EAGLE-1) is not registered in any stored version, so vLLM does not load the speculators
   EAGLE-1 layout below; it is for the speculators library.
+- EAGLE-3: `vllm/model_executor/models/llama_eagle3.py` @ 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190
+  (Eagle3LlamaForCausalLM): names without "lm_head" get "model." prepended, "midlayer." becomes
+  "layers.0." (so both spellings load), q/k/v and gate/up are stacked; parameters `fc.weight`
+  [D, 3 * target_hidden_size] (no bias; exactly three tapped layers), `layers.0.{input_layernorm,
+  hidden_norm, post_attention_layernorm}`, q/k/v_proj reading 2D = [input_layernorm(embedding) ;
+  hidden_norm(h)] (embedding first), `norm.weight`, `lm_head.weight` [draft_vocab_size, D], `d2t` ->
+  `draft_id_to_target_id` (int64 OFFSETS: compute_logits scatters draft logit i to target id
+  i + d2t[i]), `t2d` skipped, `embed_tokens` skipped when absent (the target's is shared). The
+  residual is h itself unless `norm_before_residual` (then hidden_norm(h)).
+  `configs/speculators/algos.py` (`update_eagle3`, later main): `draft_vocab_size`,
+  `target_hidden_size`, `norm_before_residual` (DEFAULT TRUE when absent), `norm_before_fc` (default
+  false), `eagle_aux_hidden_state_layer_ids`, architectures -> ["Eagle3LlamaForCausalLM"].
+  `models/llama.py` LlamaModel.forward: layer idx in aux_hidden_state_layers appends
+  `hidden_states + residual` before layer idx runs (its input: HF hidden_states[idx]; idx 0 has no
+  residual yet), in layer order; `v1/worker/gpu_model_runner.py` `_get_eagle3_aux_layers_from_config`
+  reads `eagle_aux_hidden_state_layer_ids` from the draft config (default (2, L // 2, L - 3)).
 - `vllm/model_executor/models/medusa.py` @ 09cddad8f0324594022359cd2b07e962a14b895f and
   `vllm/transformers_utils/configs/medusa.py` @ 4bb77b3239adff81001f12cd9c9a39b65800a373 (Medusa):
   `blocks.{k}.layers.{l}.weight` [D, D] (+ `.bias` when `medusa_fc_bias`), `lm_heads.0.weight`
@@ -52,6 +68,17 @@ SGLang (sgl-project/sglang)
   LM head is the target's rows at those ids and drafted indices map back through it: exactly specdec's
   d2t. EAGLE and embeddings come from the target (`set_embed_and_head`). The model loader reads every
   "*.safetensors" file of the folder (model_loader/loader.py `_prepare_weights`).
+- `python/sglang/srt/models/llama_eagle3.py` @ 03d5a7771f6082e7737a5f19cae7d1e863087013
+  (LlamaForCausalLMEagle3, "adapted from SafeAILab/EAGLE eagle/model/cnets.py"): `model.midlayer`
+  (a decoder layer whose q/k/v read cat([input_layernorm(embeds), hidden_norm(h)]), residual h),
+  `model.fc` (bias iff config "bias"), `model.norm`, `lm_head` [draft_vocab_size, D] (the embedding
+  if tie_word_embeddings; the target's rows if draft_vocab_size is null); checkpoint names are tried
+  as given, then with "model." prepended, and SKIPPED SILENTLY when neither is a parameter (so
+  `layers.0.*` would load nothing: the layout must say `midlayer.*`); `d2t` becomes hot_token_id =
+  d2t + arange (offsets), `t2d` is skipped. `models/llama.py` set_eagle3_layers_to_capture: default
+  [2, L // 2, L - 3] tapped as layer inputs; ids from the draft config's
+  `eagle_config.eagle_aux_hidden_state_layer_ids` are shifted by one (layers_to_capture = id + 1:
+  SpecForge's "output of layer id" convention); `model_executor/model_runner.py` reads them.
 - `python/sglang/srt/speculative/spec_info.py`: algorithms EAGLE, EAGLE3, STANDALONE, NGRAM, DFLASH,
   FROZEN_KV_MTP: no Medusa.
 
@@ -66,8 +93,21 @@ speculators (vllm-project/speculators)
   architectures}}; weights `fusion_fc.weight` [D, 2D] (+ `.bias` iff fusion_bias), `transformer.*`
   (a decoder layer whose input_layernorm is an identity when layernorms is false), embed_tokens and
   lm_head never saved. The EAGLE-1 model was kept through v0.6.0.1 and removed by #672 (bcdc38af).
+- EAGLE-3: `src/speculators/models/eagle3.py` @ 03a7c1497cdbb0cf6a3cdffc86aead090034c285 and
+  `models/eagle3/config.py` @ 11ecdd3385ed00258b89b0de8b55a0074ced9ec4 (Eagle3SpeculatorConfig:
+  `speculators_model_type: "eagle3"`, architectures ["Eagle3Speculator"], `transformer_layer_config`,
+  `draft_vocab_size`, `norm_before_residual` (default false there), `target_hidden_size`,
+  `eagle_aux_hidden_state_layer_ids`); weights `fc`, `layers.0.*` (Eagle3DecoderLayer: embeds first),
+  `norm`, `lm_head`, buffers `d2t` [Vd] int64 offsets (map_draft_to_target_tokens: t + d2t[t]) and
+  `t2d` [V] bool.
 
 Reference repos
+- SafeAILab/EAGLE EAGLE-3 `eagle/model/cnets.py` @ 148042c5fed07822194a49b027c897c9c5494b0e (Model):
+  `midlayer` (LlamaDecoderLayeremb: hidden_norm, input_layernorm, cat((input_emb, hidden)), residual
+  the un-normed hidden), `fc` [D, 3 * (target_hidden_size or D)] without bias, `norm`, `lm_head`
+  [draft_vocab_size, D], `d2t` int64 [Vd] and `t2d` bool [V] buffers; the config is a Llama config
+  with `draft_vocab_size`; the target taps the inputs of layers 2, L // 2 and L - 3
+  (modeling_llama_kv.py). This is the layout SGLang reads.
 - SafeAILab/EAGLE (EAGLE-1/2, `eagle/model/cnets1.py`, `ea_model.py`): a Llama config with
   num_hidden_layers 1 and "bias" (fc bias, default true), `fc.*`, `layers.0.*`, optional
   `embed_tokens.weight` (current ea_model loads it from the base model and loads the head with
@@ -95,9 +135,10 @@ D2T_FILE = "hot_token_ids.pt"  # torch.save'd list of target ids (SGLang: --spec
 REFERENCE_D2T = "draft_vocab.safetensors"  # specdec.train.eagle.export_reference's d2t sidecar
 MANIFEST = "specdec_export.json"  # what specdec export wrote; no runtime reads it
 
-KINDS = ("eagle", "medusa", "draft_model")
+KINDS = ("eagle", "eagle3", "medusa", "draft_model")
 LAYOUTS = {
     "eagle": ("vllm", "sglang", "speculators", "reference"),
+    "eagle3": ("vllm", "sglang", "speculators"),  # vllm = the speculators folder (what vLLM's docs load)
     "medusa": ("vllm", "medusa"),
     "draft_model": ("hf", "vllm", "sglang"),  # the same plain HF folder for all three
 }
@@ -118,11 +159,13 @@ class Key:
 
 @dataclass(frozen=True)
 class Spec:
-    """A tensor the loader reads: its shape and whether it holds integers (ids) or floats."""
+    """A tensor the loader reads: its shape and whether it holds integers (ids) or floats, or the one
+    safetensors dtype it must have (`dtype`, e.g. "I64", "BOOL")."""
 
     shape: tuple[int, ...]
     integer: bool = False
     required: bool = True
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +181,7 @@ class Schema:
     d2t: str | None = None  # the sidecar holding the draft vocabulary, if the layout has one
     config_check: Callable[[dict], list[str]] | None = None
     notes: tuple[str, ...] = ()
+    values_check: Callable[[Path, dict], list[str]] | None = None  # (weights file, config): a few small tensors' values
 
 
 @dataclass
@@ -262,8 +306,16 @@ def eagle_speculators_tensors(c: dict) -> dict[str, Spec]:
 
 
 def eagle_speculators_check(c: dict) -> list[str]:
+    problems = proposal_problems(c["speculators_config"])
+    if "EagleSpeculator" not in c["architectures"]:
+        problems.append(f"architectures {c['architectures']} lack 'EagleSpeculator'")
+    return problems + parses_as_config(c["transformer_layer_config"], "transformer_layer_config")
+
+
+def proposal_problems(s: dict) -> list[str]:
+    """speculators_config's proposal methods as speculators validates them (vLLM reads the first's
+    speculative_tokens)."""
     problems = []
-    s = c["speculators_config"]
     methods = s["proposal_methods"]
     if not methods:
         problems.append("speculators_config.proposal_methods is empty (vLLM and speculators read the first)")
@@ -286,9 +338,7 @@ def eagle_speculators_check(c: dict) -> list[str]:
     if s["default_proposal_method"] not in types:
         problems.append(f"speculators_config.default_proposal_method {s['default_proposal_method']!r} names no "
                         f"proposal method ({types})")
-    if "EagleSpeculator" not in c["architectures"]:
-        problems.append(f"architectures {c['architectures']} lack 'EagleSpeculator'")
-    return problems + parses_as_config(c["transformer_layer_config"], "transformer_layer_config")
+    return problems
 
 
 def eagle_reference_tensors(c: dict) -> dict[str, Spec]:
@@ -298,6 +348,94 @@ def eagle_reference_tensors(c: dict) -> dict[str, Spec]:
     if c.get("bias", True):
         out["fc.bias"] = Spec((D,))
     return out
+
+
+# ---- EAGLE-3 -------------------------------------------------------------------------------------
+
+EAGLE3_TAPS = 3  # vLLM's and SGLang's fc reads exactly three target layers (3 * target_hidden_size inputs)
+
+
+def eagle3_tensors(layer_prefix: str, layer: dict, draft_vocab_size: int, target_hidden_size: int | None) -> dict[str, Spec]:
+    """An EAGLE-3 head's tensors: fc, the decoder layer under `layer_prefix` (q/k/v 2D wide, hidden_norm
+    beside input_layernorm), norm, the draft-vocabulary LM head, d2t offsets and the t2d mask."""
+    d = llama_dims(layer)
+    D, V, q, kv = d["D"], d["V"], d["H"] * d["Dh"], d["Hkv"] * d["Dh"]
+    out = {"fc.weight": Spec((D, EAGLE3_TAPS * (target_hidden_size or D))), **decoder_layer(layer_prefix, layer, input_norm=True)}
+    out.update({f"{layer_prefix}self_attn.q_proj.weight": Spec((q, 2 * D)),  # [input_layernorm(embedding) ; hidden_norm(h)]
+                f"{layer_prefix}self_attn.k_proj.weight": Spec((kv, 2 * D)),
+                f"{layer_prefix}self_attn.v_proj.weight": Spec((kv, 2 * D)),
+                f"{layer_prefix}hidden_norm.weight": Spec((D,)),
+                "norm.weight": Spec((D,)), "lm_head.weight": Spec((draft_vocab_size, D)),
+                "d2t": Spec((draft_vocab_size,), dtype="I64"), "t2d": Spec((V,), dtype="BOOL", required=False),
+                "embed_tokens.weight": Spec((V, D), required=False)})
+    return out
+
+
+def eagle3_speculators_tensors(c: dict) -> dict[str, Spec]:
+    return eagle3_tensors("layers.0.", c["transformer_layer_config"], c["draft_vocab_size"], c.get("target_hidden_size"))
+
+
+def eagle3_sglang_tensors(c: dict) -> dict[str, Spec]:
+    return eagle3_tensors("midlayer.", c, c["draft_vocab_size"], c.get("target_hidden_size"))
+
+
+def tap_problems(ids: object, where: str, lowest: int) -> list[str]:
+    """Tapped-layer ids as vLLM and SGLang use them: three, in increasing order (both concatenate the taps
+    in layer order, and a repeated id is tapped once), none below `lowest`."""
+    if not isinstance(ids, list) or len(ids) != EAGLE3_TAPS or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        return [f"{where} must be a list of {EAGLE3_TAPS} layer ids (the fc reads three target layers), got {ids!r}"]
+    if ids != sorted(set(ids)):
+        return [f"{where} {ids} must increase: vLLM and SGLang concatenate the tapped layers in layer order"]
+    if ids[0] < lowest:
+        return [f"{where} {ids}: ids below {lowest} are not tapped as specdec taps them"]
+    return []
+
+
+def draft_vocab_problems(draft_vocab_size: int, vocab_size: int) -> list[str]:
+    if not 0 < draft_vocab_size <= vocab_size:
+        return [f"draft_vocab_size {draft_vocab_size} must be in 1..vocab_size ({vocab_size})"]
+    return []
+
+
+def eagle3_speculators_check(c: dict) -> list[str]:
+    t = c["transformer_layer_config"]
+    problems = proposal_problems(c["speculators_config"]) + draft_vocab_problems(c["draft_vocab_size"], t["vocab_size"])
+    if "Eagle3Speculator" not in c["architectures"]:
+        problems.append(f"architectures {c['architectures']} lack 'Eagle3Speculator'")
+    if c.get("eagle_aux_hidden_state_layer_ids") is not None:  # vLLM: the input of layer id (idx 0 has no residual yet)
+        problems += tap_problems(c["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids", 1)
+    return problems + parses_as_config(t, "transformer_layer_config")
+
+
+def eagle3_sglang_check(c: dict) -> list[str]:
+    problems = draft_vocab_problems(c["draft_vocab_size"], c["vocab_size"])
+    ids = lookup(c, "eagle_config.eagle_aux_hidden_state_layer_ids")
+    if ids is not ANY and ids is not None:  # SGLang: the output of layer id (the input of id + 1)
+        problems += tap_problems(ids, "eagle_config.eagle_aux_hidden_state_layer_ids", 0)
+    return problems + parses_as_config(c, "config.json")
+
+
+def eagle3_vocab_check(weights: Path, config: dict) -> list[str]:
+    """d2t holds offsets (draft index i reads out target id i + d2t[i]: vLLM compute_logits, SGLang
+    hot_token_id, speculators map_draft_to_target_tokens): the ids must lie in the vocabulary, once each,
+    and t2d (where present) must mark exactly them."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        d2t = f.get_tensor("d2t")
+        t2d = f.get_tensor("t2d") if "t2d" in f.keys() else None  # [V] bool
+    ids, V = d2t + torch.arange(len(d2t)), vocab_size_of(config)  # [Vd] target ids
+    problems = []
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        problems.append(f"{weights.name}: d2t offsets give target ids outside 0..{V - 1} (d2t holds id - index)")
+    if len(torch.unique(ids)) != len(ids):
+        problems.append(f"{weights.name}: d2t maps two draft indices to one target id")
+    if not problems and t2d is not None:
+        expected = torch.zeros(len(t2d), dtype=torch.bool)
+        expected[ids] = True
+        if not torch.equal(t2d, expected):
+            problems.append(f"{weights.name}: t2d does not mark exactly the target ids d2t reaches")
+    return problems
 
 
 # ---- Medusa --------------------------------------------------------------------------------------
@@ -364,6 +502,8 @@ def hf_llama_check(c: dict) -> list[str]:
 # ---- the schemas ---------------------------------------------------------------------------------
 
 SCHEMAS: dict[tuple[str, str], Schema] = {}
+SAME_FOLDER = {("draft_model", "vllm"): "hf", ("draft_model", "sglang"): "hf",  # layouts that write another's folder
+               ("eagle3", "vllm"): "speculators"}
 
 
 def register(schema: Schema) -> None:
@@ -417,7 +557,7 @@ register(Schema(
     config_check=eagle_speculators_check,
     notes=("speculators removed its EAGLE-1 model after v0.6.0.1 (#672) and vLLM loads speculators eagle3 "
            "checkpoints only: this layout documents the head in speculators' terms; an EAGLE-3 head is a "
-           "different network (normed inputs, 3-layer features), which specdec does not train",)))
+           "different network (normed inputs, 3-layer features): `specdec export eagle3` writes one",)))
 
 register(Schema(
     "eagle", "reference",
@@ -428,6 +568,49 @@ register(Schema(
     d2t=REFERENCE_D2T, config_check=eagle_sglang_check,
     notes=(f"{REFERENCE_D2T} is a second safetensors file: vLLM and SGLang read every *.safetensors file of a "
            "folder (vLLM then fails on 'd2t'), so give them the vllm / sglang layouts, not this one",)))
+
+register(Schema(
+    "eagle3", "speculators",
+    "vLLM Eagle3LlamaForCausalLM (speculators format: --speculative-config '{\"method\": \"eagle3\", ...}') and the "
+    "speculators library's Eagle3Speculator; embeddings shared with the target",
+    ("vllm/model_executor/models/llama_eagle3.py@00bd1493", "vllm/transformers_utils/configs/speculators/algos.py "
+     "(update_eagle3), base.py@052316ae", "vllm/model_executor/models/llama.py (aux_hidden_state_layers)",
+     "vllm-project/speculators src/speculators/models/eagle3.py@03a7c149, models/eagle3/config.py@11ecdd33"),
+    keys=(Key("speculators_model_type", (str,), value="eagle3"), Key("speculators_version", (str,), required=False),
+          Key("architectures", (list,)), Key("transformer_layer_config", (dict,)), *llama_keys("transformer_layer_config."),
+          Key("draft_vocab_size", (int,)), Key("norm_before_residual", (bool,), value=False),
+          Key("norm_before_fc", (bool,), required=False, value=False), Key("target_hidden_size", (int,), required=False),
+          Key("eagle_aux_hidden_state_layer_ids", (list,), required=False),
+          Key("speculators_config", (dict,)), Key("speculators_config.algorithm", (str,), value="eagle3"),
+          Key("speculators_config.proposal_methods", (list,)),
+          Key("speculators_config.default_proposal_method", (str,)),
+          Key("speculators_config.verifier", (dict,)),
+          Key("speculators_config.verifier.name_or_path", (str,)),
+          Key("speculators_config.verifier.architectures", (list,))),
+    weights="model.safetensors", tensors=eagle3_speculators_tensors, reads_every_safetensors=True,
+    config_check=eagle3_speculators_check, values_check=eagle3_vocab_check,
+    notes=("norm_before_residual must be written: vLLM's speculators reader defaults it to true, speculators to "
+           "false; specdec's head adds the attention output to h itself (false)",
+           "eagle_aux_hidden_state_layer_ids are the layers whose INPUT vLLM taps (HF hidden_states[id]), as "
+           "specdec's feature_layers; without them vLLM taps (2, L // 2, L - 3)")))
+
+register(Schema(
+    "eagle3", "sglang",
+    "SGLang LlamaForCausalLMEagle3 (--speculative-algorithm EAGLE3), in SafeAILab/EAGLE's EAGLE-3 names, which vLLM "
+    "also loads (method eagle3; midlayer. -> layers.0.); embeddings from the target",
+    ("python/sglang/srt/models/llama_eagle3.py@03d5a777", "python/sglang/srt/models/llama.py "
+     "(set_eagle3_layers_to_capture)", "SafeAILab/EAGLE eagle/model/cnets.py@148042c5",
+     "vllm/model_executor/models/llama_eagle3.py@00bd1493"),
+    keys=(Key("architectures", (list,), value=["LlamaForCausalLMEagle3"]),
+          Key("tie_word_embeddings", (bool,), value=False), *llama_keys(), Key("draft_vocab_size", (int,)),
+          Key("bias", (bool,), required=False, value=False), Key("norm_before_residual", (bool,), required=False, value=False),
+          Key("target_hidden_size", (int,), required=False), Key("eagle_config", (dict,), required=False),
+          Key("eagle_config.eagle_aux_hidden_state_layer_ids", (list,), required=False)),
+    weights="model.safetensors", tensors=eagle3_sglang_tensors, reads_every_safetensors=True,
+    config_check=eagle3_sglang_check, values_check=eagle3_vocab_check,
+    notes=("SGLang reads eagle_config.eagle_aux_hidden_state_layer_ids as layer OUTPUTS (it taps the input of id + "
+           "1); specdec writes them only for non-default taps, since vLLM versions that read that nested key take "
+           "it as layer inputs: for non-default taps in vLLM use the vllm (speculators) layout",)))
 
 register(Schema(
     "medusa", "vllm",
@@ -469,7 +652,7 @@ def schema_for(kind: str, layout: str) -> Schema:
     if layout not in LAYOUTS[kind]:
         raise UserError(f"layout {layout!r} does not take {kind} drafters; choose {', '.join(LAYOUTS[kind])}"
                         + (" (SGLang has no Medusa algorithm; speculators has no Medusa model)" if kind == "medusa" else ""))
-    return SCHEMAS[(kind, "hf" if kind == "draft_model" else layout)]
+    return SCHEMAS[(kind, SAME_FOLDER.get((kind, layout), layout))]
 
 
 # ---- validation ----------------------------------------------------------------------------------
@@ -528,7 +711,7 @@ def check_tensors(header: dict, expected: dict[str, Spec], weights: str) -> list
         shape, dtype = header[name]
         if shape != spec.shape:
             problems.append(f"{weights}: {name} has shape {list(shape)}, expected {list(spec.shape)}")
-        wanted = INT_DTYPES if spec.integer else FLOAT_DTYPES
+        wanted = (spec.dtype,) if spec.dtype else INT_DTYPES if spec.integer else FLOAT_DTYPES
         if dtype not in wanted:
             problems.append(f"{weights}: {name} is {dtype}, expected one of {', '.join(wanted)}")
     unexpected = sorted(set(header) - set(expected))
@@ -608,8 +791,11 @@ def validate(folder: str | Path, kind: str, layout: str) -> Validation:
         result.problems.append(f"{folder}: no {schema.weights}")
     else:
         expected = schema.tensors(config)
-        result.problems += check_tensors(read_header(weights), expected, schema.weights)
+        tensor_problems = check_tensors(read_header(weights), expected, schema.weights)
+        result.problems += tensor_problems
         result.tensors_checked = len(expected)
+        if schema.values_check is not None and not tensor_problems:
+            result.problems += schema.values_check(weights, config)
     if schema.reads_every_safetensors:
         stray = sorted(p.name for p in folder.glob("*.safetensors") if p.name != schema.weights)
         if stray:
@@ -639,8 +825,12 @@ def detect(folder: str | Path) -> tuple[str, str]:
     except json.JSONDecodeError as e:
         raise UserError(f"{folder}/config.json: not JSON ({e.msg}, line {e.lineno})") from None
     archs = c.get("architectures") or []
+    if c.get("speculators_model_type") == "eagle3":
+        return "eagle3", "speculators"
     if "speculators_model_type" in c:
         return "eagle", "speculators"
+    if archs[:1] == ["LlamaForCausalLMEagle3"]:
+        return "eagle3", "sglang"
     if c.get("model_type") == "eagle":
         return "eagle", "vllm"
     if c.get("model_type") == "medusa":
