@@ -60,9 +60,14 @@ class StepSeconds:
         if 0 in ratios:
             self.plain_overhead[B] = ratios[0]
 
+    def measured(self, B: int, gamma: int) -> float | None:
+        """The median of this shape's last steps, once STEP_SAMPLES of them ran; else None."""
+        return self.median[B, gamma] if len(self.seen.get((B, gamma), ())) >= STEP_SAMPLES else None
+
     def seconds(self, B: int, gamma: int, predict: Callable[[int, int], float]) -> float:
-        if len(self.seen.get((B, gamma), ())) >= STEP_SAMPLES:
-            return self.median[B, gamma]
+        measured = self.measured(B, gamma)
+        if measured is not None:
+            return measured
         scale = self.overhead if gamma or self.plain_alike else self.plain_overhead
         return predict(B, gamma) * scale.get(B, 1.0)
 

@@ -612,6 +612,23 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
     assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1]
 
 
+def test_cost_policy_never_explores_a_shape_measured_too_dear_to_pay():
+    """Where a drafting step was measured at g + 1 plain steps or more (a full batch on a CPU), not even
+    perfect acceptance pays: exploring it only costs. A cheaper gamma is still explored."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    policy.draft_s_per_row, policy.draft_samples = 100.0, 1
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(1, 0, 1.0)
+        for g in (2, 3):
+            policy.observe_step_time(1, g, g + 1.0)
+    assert not policy.could_pay(1, 3) and not policy.could_pay(1, 2) and policy.could_pay(1, 1)  # 1: unmeasured
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(EXPLORE_EVERY)]
+    assert [(i, g) for i, g in enumerate(chosen) if g] == [(EXPLORE_EVERY - 1, 1)]
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(1, 1, 2.5)
+    assert [policy.choose(rows_accepting(3, 1)) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
+
+
 def test_cost_policy_decides_from_measured_step_times():
     """Predicted from forward times, speculating pays alone; measured whole steps can say otherwise."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())

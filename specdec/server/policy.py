@@ -25,7 +25,9 @@ becomes compute-bound and every rejected draft token is work taken from other re
   so estimates that a slow first step (graph capture) or a cold start made too pessimistic are
   measured again instead of locking the server at gamma 0. Each exploration that leaves the choice at
   0 doubles the wait before the next (up to EXPLORE_MOST steps), so where drafting never pays (a full
-  batch on a CPU) exploring costs next to nothing; choosing gamma > 0 on its own resets the wait.
+  batch on a CPU) exploring costs next to nothing; choosing gamma > 0 on its own resets the wait. It
+  never explores a shape whose measured steps cost g + 1 plain steps or more (`could_pay`): not even
+  perfect acceptance would pay there.
 """
 
 from __future__ import annotations
@@ -169,8 +171,16 @@ class SpecPolicy:
         self.idle_steps += 1
         if self.idle_steps >= self.explore_after:
             self.idle_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MOST)
-            return max(range(1, self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+            worth = [g for g in range(1, self.gamma + 1) if self.could_pay(len(rows), g)]
+            return max(worth, key=lambda g: self.tokens_per_s(alphas, g), default=0)
         return 0
+
+    def could_pay(self, B: int, g: int) -> bool:
+        """Whether a step of B rows drafting g could beat a plain one were every draft accepted, as far as
+        measured: a shape measured at g + 1 plain steps or more never pays, so exploring it only costs
+        (a drafting step of 16 rows on a 2-core CPU costs several plain steps). Unmeasured shapes may."""
+        measured = self.steps.measured(B, g)
+        return measured is None or measured < (g + 1) * self.step_seconds(B, 0)
 
     def gammas(self) -> list[int]:
         """Every gamma `choose` may return (a step whose rows all opted out runs at 0 too)."""
