@@ -613,8 +613,9 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
 
 
 def test_cost_policy_never_explores_a_shape_measured_too_dear_to_pay():
-    """Where a drafting step was measured at g + 1 plain steps or more (a full batch on a CPU), not even
-    perfect acceptance pays: exploring it only costs. A cheaper gamma is still explored."""
+    """Where a drafting step was measured at g + 1 plain steps or more, or its verify forward costs g + 1
+    plain forwards (a full batch on a CPU), not even perfect acceptance pays: exploring it only costs. A
+    cheaper gamma is still explored."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     policy.draft_s_per_row, policy.draft_samples = 100.0, 1
     for _ in range(STEP_SAMPLES):
@@ -627,6 +628,9 @@ def test_cost_policy_never_explores_a_shape_measured_too_dear_to_pay():
     for _ in range(STEP_SAMPLES):
         policy.observe_step_time(1, 1, 2.5)
     assert [policy.choose(rows_accepting(3, 1)) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
+    # compute-bound (32 rows of linear_costs: k tokens cost k forwards): nothing is explored, measured or not
+    assert not any(policy.could_pay(32, g) for g in (1, 2, 3))
+    assert [policy.choose(rows_accepting(3, 32)) for _ in range(2 * EXPLORE_EVERY)] == [0] * (2 * EXPLORE_EVERY)
 
 
 def test_cost_policy_decides_from_measured_step_times():

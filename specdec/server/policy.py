@@ -26,8 +26,8 @@ becomes compute-bound and every rejected draft token is work taken from other re
   measured again instead of locking the server at gamma 0. Each exploration that leaves the choice at
   0 doubles the wait before the next (up to EXPLORE_MOST steps), so where drafting never pays (a full
   batch on a CPU) exploring costs next to nothing; choosing gamma > 0 on its own resets the wait. It
-  never explores a shape whose measured steps cost g + 1 plain steps or more (`could_pay`): not even
-  perfect acceptance would pay there.
+  never explores a shape whose verify forward or measured steps cost g + 1 plain ones or more
+  (`could_pay`): not even perfect acceptance would pay there.
 """
 
 from __future__ import annotations
@@ -176,9 +176,12 @@ class SpecPolicy:
         return 0
 
     def could_pay(self, B: int, g: int) -> bool:
-        """Whether a step of B rows drafting g could beat a plain one were every draft accepted, as far as
-        measured: a shape measured at g + 1 plain steps or more never pays, so exploring it only costs
-        (a drafting step of 16 rows on a 2-core CPU costs several plain steps). Unmeasured shapes may."""
+        """Whether a step of B rows drafting g could beat a plain one were every draft accepted: not if its
+        verify forward alone costs g + 1 plain forwards or more (compute-bound: a full batch on a CPU; the
+        forward times are measured at start, which a cold start does not distort), nor if its measured
+        steps cost g + 1 plain steps or more. Exploring such a shape only stalls every row."""
+        if self.costs.forward_s(B, self.widths.get(g, g) + 1) >= (g + 1) * self.costs.forward_s(B, 1):
+            return False
         measured = self.steps.measured(B, g)
         return measured is None or measured < (g + 1) * self.step_seconds(B, 0)
 
