@@ -88,6 +88,7 @@ def test_eagle3_greedy_equals_plain_with_near_ties(flat, gamma, batch):
     assert out.stats.draft_nodes > 0
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="lazy drafter state runs on the CPU only (catch_up.catches_up)")
 def test_eagle3_caught_up_drafts_equal_eager_ones(flat):
     """The lazy catch-up (eager steppers) feeds project(aux) at the positions eager feeding would: same drafts."""
     target, _, _ = flat

@@ -23,6 +23,9 @@ from specdec.step import Stepper, StepRecord, new_stepper
 from test_eagle import random_head
 from test_engine import PROMPTS, models, plain  # noqa: F401  (fixtures)
 
+# Lazy state is the CPU's: an eager stepper on a GPU (an observed run) feeds every step, as graphed ones do.
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="lazy drafter state runs on the CPU only (catch_up.catches_up)")
+
 MAX_LEN, NEW = 160, 60
 # Per step: the step's gamma and each slot's (batch.gamma): stretches at gamma 0 of 1, 3 (fed with the
 # other rows) and more than SHORT_GAP steps (fed alone), and a row at gamma 0 beside one drafting.

@@ -2,8 +2,8 @@
 
 EAGLE's head and a draft model keep a KV cache that follows the row's tokens. Fed eagerly, that costs
 a forward at every step and over every prompt, even where the policy drafts nothing (gamma 0: a step
-has no `propose`). On an eager stepper (`catches_up(batch)`: the batch is not captured in CUDA graphs,
-as on the CPU) such a drafter defers instead: `join` and `commit` only note what is left to feed (a
+has no `propose`). On the CPU (`catches_up(batch)`: an eager stepper on the CPU) such a drafter defers
+instead: `join` and `commit` only note what is left to feed (a
 cache length that stays behind, and for EAGLE the target's features), and `propose`, which runs only
 when the step drafts, first feeds every running row the positions it skipped (`feed_gaps`): the same
 inputs at the same positions as if it had been fed all along, in fewer and wider forwards. The exact
@@ -11,7 +11,10 @@ kernels give each entry the bits of any block it is computed in, so the drafts a
 feeding (tests/test_lazy_drafters.py).
 
 A captured step has fixed shapes, and a gap's width is data: on a graphed stepper (batch.static) each
-drafter keeps its eager-every-step behaviour (see its module docstring).
+drafter keeps its eager-every-step behaviour (see its module docstring). So does an eager stepper on a
+GPU (an observed run: `specdec analyze`, the server's row-by-row retry), so that it drafts what the
+graphed steps draft: there a wider block's head forward need not give each entry the bits of a narrower
+one (on an H200 the caught-up EAGLE drafts differed from eagerly fed ones in one token of a near-tie).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ Feed = Callable[[KVCache, slice, Tensor, Tensor], Tensor]
 
 
 def catches_up(batch) -> bool:
-    """Whether this batch's drafter state is lazy: its steps run eagerly (not captured in CUDA graphs)."""
-    return not batch.static
+    """Whether this batch's drafter state is lazy: its steps run eagerly on the CPU."""
+    return not batch.static and batch.device.type == "cpu"
 
 
 def feed_gaps(cache: KVCache, gap: Tensor, feed: Feed) -> Tensor | None:
