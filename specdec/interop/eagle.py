@@ -147,14 +147,19 @@ def speculators_config(c: EagleConfig, fusion_bias: bool, target_name: str, spec
         "transformer_layer_config": layer,
         "layernorms": False,
         "fusion_bias": fusion_bias,
-        "speculators_config": {
-            "algorithm": "eagle",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": verifier_architectures},
-        },
+        "speculators_config": proposal_config("eagle", speculative_tokens, target_name, verifier_architectures),
         "torch_dtype": "float16",
+    }
+
+
+def proposal_config(algorithm: str, speculative_tokens: int, target_name: str, verifier_architectures: list[str]) -> dict:
+    """speculators' SpeculatorsConfig: greedy proposals of `speculative_tokens`, and the verifier (the target)."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": target_name, "architectures": verifier_architectures},
     }
 
 

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from specdec.errors import UserError
-from specdec.interop.eagle import SPECULATORS_VERSION, config_from_llama, half, llama_config
+from specdec.interop.eagle import SPECULATORS_VERSION, config_from_llama, half, llama_config, proposal_config
 from specdec.interop.schema import EAGLE3_TAPS, validate
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
 from specdec.models.linear import float_weight
@@ -139,13 +139,7 @@ def speculators_config(c: Eagle3Config, taps: Taps, target_name: str, speculativ
         "norm_before_fc": False,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(taps.layers),  # vLLM: the inputs of these layers
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": verifier_architectures},
-        },
+        "speculators_config": proposal_config("eagle3", speculative_tokens, target_name, verifier_architectures),
         "torch_dtype": "float16",
     }
 

@@ -229,6 +229,16 @@ def load_checkpoint(out: Path, meta: dict) -> Checkpoint:
     return Checkpoint(data["weights"], data["optimizer"], data["step"], data["meta"], data["log"])
 
 
+def resume_from(out: Path, meta: dict, head: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> tuple[int, dict]:
+    """Load the checkpoint in `out` into head and optimizer (`--resume`): (the step it reached, its log)."""
+    checkpoint = load_checkpoint(out, meta)
+    head.load_state_dict(checkpoint.weights, strict=False)
+    optimizer.load_state_dict(checkpoint.optimizer)
+    if checkpoint.step > steps:
+        raise UserError(f"--resume: the checkpoint is at step {checkpoint.step}, beyond --steps {steps}")
+    return checkpoint.step, checkpoint.log
+
+
 def command_line(args: argparse.Namespace) -> str:
     """`specdec train KIND --option value ...` with every option of `args` (defaults included)."""
     words = ["specdec", "train", args.kind]

@@ -72,9 +72,9 @@ from specdec.train.common import (
     command_line,
     frequent_vocab,
     learning_rate,
-    load_checkpoint,
     pad_batch,
     plan_batches,
+    resume_from,
     save_checkpoint,
     split_held_out,
     training_data,
@@ -236,12 +236,7 @@ def train_eagle(target, features: Features, config: EagleTrainConfig, out: Path,
     key = config.resume_key(features)
     start, log = 0, {"losses": [], "history": [], "positions_seen": 0}
     if resume:
-        checkpoint = load_checkpoint(out, key)
-        head.load_state_dict(checkpoint.weights, strict=False)
-        optimizer.load_state_dict(checkpoint.optimizer)
-        start, log = checkpoint.step, checkpoint.log
-        if start > config.steps:
-            raise UserError(f"--resume: the checkpoint is at step {start}, beyond --steps {config.steps}")
+        start, log = resume_from(out, key, head, optimizer, config.steps)
     warmup = max(1, min(config.warmup, config.steps // 10))
     evals = {round(config.steps * (i + 1) / (config.evaluations + 1)) for i in range(config.evaluations)}
     device = head.fc.weight.device
