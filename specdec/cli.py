@@ -519,9 +519,10 @@ def drafter_extra(args: argparse.Namespace) -> dict:
     for name in ("window", "ngram", "guesses", "total_tokens"):
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{name} must be >= 1, got {extra[name]}")
-    drafters = getattr(args, "drafters", None) or [args.drafter]  # bench takes several
-    if args.quant_format is not None and "quantized" not in drafters:
-        raise UserError(f"--quant-format is an option of the quantized drafter, not of {', '.join(drafters)}")
+    if args.quant_format is not None:
+        drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
+        if drafters is not None and "quantized" not in drafters:
+            raise UserError(f"--quant-format is an option of the quantized drafter, not of {', '.join(drafters) or 'no drafter'}")
     return {k: v for k, v in extra.items() if v is not None}
 
 
