@@ -65,10 +65,16 @@ def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa:
 
 
 def test_eagle_sampling_matches_plain_sampling(tmp_path):
+    check_sampling_matches_plain(tmp_path, random_head)
+
+
+def check_sampling_matches_plain(tmp_path, make_head) -> None:
+    """Seeded sampling through a tree drafter with the head make_head(target) gives plain sampling's
+    distribution (per-position chi-square p-values, Bonferroni)."""
     target = tiny_pair(tmp_path, "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
     config = lambda seed: specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))  # noqa: E731
     plain_tokens = tokens_of(specdec.SpecEngine(target, "none").generate([PROMPT] * ROWS, config(1)))
-    drafter = EagleDrafter(target, random_head(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
+    drafter = EagleDrafter(target, make_head(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
     out = specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, config(2))
     assert 0 < out.stats.accepted < out.stats.drafted
     pvalues = distribution_pvalues(tokens_of(out), plain_tokens)

@@ -12,7 +12,6 @@ import torch
 
 import specdec
 from conftest import DEVICE, build_hf, save_hf, tiny_pair
-from specdec import SamplingParams
 from specdec.batch import eos_ids
 from specdec.drafters import DrafterOptions
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
@@ -21,8 +20,8 @@ from specdec.models import load_model
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, load_eagle3_head, save_eagle3_head
 from specdec.models.kernels import kernel_path
 from specdec.step import new_stepper
+from test_eagle import check_sampling_matches_plain
 from test_lazy_drafters import MAX_LEN, SCHEDULE, eager_stepper, run_schedule
-from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 32
@@ -101,14 +100,7 @@ def test_eagle3_caught_up_drafts_equal_eager_ones(flat):
 
 
 def test_eagle3_sampling_matches_plain_sampling(tmp_path):
-    target = tiny_pair(tmp_path, "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
-    config = lambda seed: specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))  # noqa: E731
-    plain_tokens = tokens_of(specdec.SpecEngine(target, "none").generate([PROMPT] * ROWS, config(1)))
-    drafter = EagleDrafter(target, random_head3(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
-    out = specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, config(2))
-    assert 0 < out.stats.accepted < out.stats.drafted
-    pvalues = distribution_pvalues(tokens_of(out), plain_tokens)
-    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
+    check_sampling_matches_plain(tmp_path, random_head3)
 
 
 def test_eagle3_registered_and_saved_head_round_trips(flat, tmp_path):
