@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specdec.kv_cache import KVCache
 from specdec.models.fused import fusing
-from specdec.models.llama import ModelOutput
+from specdec.models.llama import ModelOutput, aux_args
 
 
 @dataclass
@@ -102,7 +102,7 @@ class PrefillGraphs:
 
     def __init__(self, model, max_tokens: int | None = None, aux_layers: tuple[int, ...] | None = None) -> None:
         self.model, self.max_tokens = model, max_tokens or prefill_graph_tokens(model)
-        self.aux_args = {} if aux_layers is None else {"aux_layers": aux_layers}  # as step.aux_args
+        self.aux_args = aux_args(aux_layers)
         self.slots: KVCache | None = None  # [L, 1, H, max_tokens, Dh], viewed per shape (allocated by the first capture)
         self.graphs: dict[tuple[int, int], PrefillGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()

@@ -45,7 +45,7 @@ from specdec.graphs import PrefillGraphs, prefill_graph_tokens
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import kernel_path
-from specdec.models.llama import ModelOutput
+from specdec.models.llama import ModelOutput, aux_args
 from specdec.sampling import logits_to_probs, sample, uniforms
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
@@ -120,12 +120,6 @@ def drafter_features(out: ModelOutput) -> Tensor:
     """[B, T, Dm] what the drafter reads of a target forward: the layers it asked for (out.aux, when a
     forward was given aux_layers), else the final hidden states."""
     return out.hidden if out.aux is None else out.aux
-
-
-def aux_args(aux_layers: tuple[int, ...] | None) -> dict:
-    """A target forward's keyword for the drafter's features: none where it reads the final hidden states
-    (so any target, or a wrapper of one, works as before), else aux_layers."""
-    return {} if aux_layers is None else {"aux_layers": aux_layers}
 
 
 def check_chain(target, cache: KVCache, batch: RowBatch, block: Tensor, proposal: Proposal | None, budget: Tensor,

@@ -131,6 +131,12 @@ class Taps:
         return torch.cat([self.states[i] for i in self.layers], dim=-1)
 
 
+def aux_args(aux_layers: tuple[int, ...] | None) -> dict:
+    """A forward's keyword for a drafter's target features: none where it reads the final hidden states
+    (so any target, or a wrapper of one, works as before), else aux_layers."""
+    return {} if aux_layers is None else {"aux_layers": aux_layers}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
