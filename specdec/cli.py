@@ -654,7 +654,10 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
         tp=args.tp,
     )
-    results = run_bench(config, progress=not args.json and os.environ.get("RANK", "0") == "0")
+    speaks = os.environ.get("RANK", "0") == "0"  # under --tp every rank runs the bench; rank 0 speaks for them
+    results = run_bench(config, progress=not args.json and speaks)
+    if not speaks:  # two ranks writing one results.json raced: a shorter write left the longer one's tail
+        return 0
     files = write_outputs(results, Path(args.out))
     if args.json:
         print(json.dumps(results))
