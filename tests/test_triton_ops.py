@@ -456,6 +456,29 @@ def test_tree_nodes_equal_their_chains(exact_model):
 
 
 @needs_triton
+def test_one_position_per_row_is_spread_over_the_block(exact_model):
+    """An EAGLE tree level passes one position per row ([B, 1]) for its F sibling nodes: the forward must
+    give the bits of those positions written out per token ([B, F]). The kernels read a position per
+    token; a [B, 1] tensor was read past its end (the next rows' positions, then whatever memory lay
+    beyond: wrong RoPE for every sibling but row 0's first, and an illegal address on an H200 at 32 rows)."""
+    rows, F = 3, 4
+    prompts = tokens(PROMPT, seed=3, rows=rows)
+    lengths = torch.tensor([PROMPT - 2 * r for r in range(rows)], device=DEVICE)
+    siblings = tokens(F, seed=4, rows=rows)
+    mask = torch.eye(F, dtype=torch.bool, device=DEVICE).expand(rows, F, F)  # each node sees only itself
+    outs = []
+    for positions in (lengths[:, None], lengths[:, None].expand(rows, F)):  # [B, 1], [B, F]
+        cache = prefilled(exact_model, rows, prompts)
+        cache.trim(lengths)
+        outs.append(exact_model(siblings, positions, cache, mask=mask))
+    assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
+    # a power check: the position matters (shifting it changes the bits)
+    cache = prefilled(exact_model, rows, prompts)
+    cache.trim(lengths)
+    assert not torch.equal(exact_model(siblings, lengths[:, None] + 1, cache, mask=mask).logits, outs[1].logits)
+
+
+@needs_triton
 def test_graphed_forward_equals_eager(exact_model):
     """The exact path captures into a CUDA graph over a static cache and replays the eager bits."""
     if not ON_CUDA:

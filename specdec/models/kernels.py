@@ -256,7 +256,7 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
     from specdec.models import triton_ops as ops
 
     B, T, D = x.shape
-    positions = positions.contiguous()
+    positions = positions.expand(B, T).contiguous()  # [B, T]: the kernels read one position per token (an EAGLE level passes [B, 1])
     visible = None if mask is None else ops.visible_order(mask, B, T, x.device)  # what each tree node sees, shared by the layers
     h = x.reshape(B * T, D).contiguous()  # [M, D]
     norm_weight, eps = norm_args(layers[0].input_layernorm)
