@@ -226,3 +226,28 @@ def test_mixed_sliding_layers_raise_user_error():
     config = {**BASE_CONFIG, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]}
     with pytest.raises(UserError, match="backend='hf'"):
         ModelConfig.from_hf(config)
+
+
+def test_a_cache_folder_written_twice_at_once_keeps_the_first(tmp_path):
+    """Two processes loading one GGUF together (two servers, the ranks of --tp) each write the cache folder
+    in a folder of their own and publish it: the second finds the first's in place and drops its copy,
+    instead of failing with "Directory not empty" (seen on an H200 with two `specdec serve` started at once)."""
+    from specdec.models.loading import publish_folder
+
+    folder = tmp_path / "model-123"
+    first, second = tmp_path / "model-123.a.tmp", tmp_path / "model-123.b.tmp"
+    for tmp, text in ((first, "first"), (second, "second")):
+        tmp.mkdir()
+        (tmp / "config.json").write_text(text)
+    publish_folder(first, folder)
+    publish_folder(second, folder)
+    assert (folder / "config.json").read_text() == "first"
+    assert not first.exists() and not second.exists()
+    stray = tmp_path / "model-9.tmp"  # a destination in the way that is no finished folder: still an error
+    stray.mkdir()
+    (stray / "x").write_text("x")
+    blocked = tmp_path / "model-9"
+    blocked.mkdir()
+    (blocked / "partial").write_text("x")
+    with pytest.raises(OSError):
+        publish_folder(stray, blocked)

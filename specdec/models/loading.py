@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -189,12 +192,24 @@ def write_gguf_metadata(path: Path, folder: Path) -> None:
     config = hf_config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "LlamaForCausalLM")]
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + ".", suffix=".tmp"))  # this process's own
     tokenizer.save_pretrained(tmp)
     GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tmp.rename(folder)
+    publish_folder(tmp, folder)
+
+
+def publish_folder(tmp: Path, folder: Path) -> None:
+    """Move a finished cache folder into place. Processes started together (a server and its bench, the
+    ranks of --tp) may write the same folder at once: the first to finish wins, the others drop their
+    copy (the same bytes)."""
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_gguf_weights(path: Path, folder: Path) -> None:
@@ -205,9 +220,9 @@ def write_gguf_weights(path: Path, folder: Path) -> None:
     tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    tmp = folder / "model.safetensors.tmp"
+    tmp = folder / f"model.safetensors.{os.getpid()}.tmp"  # this process's own (see publish_folder)
     save_file(tensors, tmp)
-    tmp.rename(folder / "model.safetensors")
+    os.replace(tmp, folder / "model.safetensors")
 
 
 def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto",
