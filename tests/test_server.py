@@ -533,6 +533,31 @@ def test_a_failing_request_fails_alone(model):
         assert metrics(url)['specdec_requests_total{status="failed"}'] == 1
 
 
+def test_a_lost_device_fails_what_it_holds_and_answers_503(model, monkeypatch):
+    """A sticky device error (CUDA: an illegal address poisons every later call) must not leave a server
+    that answers every request with a 500 forever: the requests it holds fail with the reason, new ones
+    get 503 "device_lost" and /health answers 503 with the reason, so an orchestrator restarts it."""
+    import specdec.server.scheduler as scheduler_module
+
+    poison = model.tokenizer("mat")["input_ids"][0]
+    scheduler = make_scheduler(model, drafter=PoisonedDrafter(build_drafter("ngram", model), poison))
+    lost = "CUDA error: an illegal memory access was encountered"
+    monkeypatch.setattr(scheduler_module, "device_problem", lambda device: lost)
+    with serving(scheduler) as (url, _):
+        bad = post(url, "/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 20, "temperature": 0})
+        assert bad.status_code == 500 and lost in bad.json()["error"]["message"]
+        again = post(url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 5})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "device_lost"
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "error" and lost in health.json()["error"]
+    monkeypatch.setattr(scheduler_module, "device_problem", lambda device: None)  # an error of one row stays its own
+    scheduler = make_scheduler(model, drafter=PoisonedDrafter(build_drafter("ngram", model), poison))
+    with serving(scheduler) as (url, _):
+        assert post(url, "/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 5}).status_code == 500
+        assert post(url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 5}).status_code == 200
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_text_events_from_the_template_equal_the_rendered_chunks(chat):
     reply = Reply(chat, 'a "model" \x00specdec-text\x00')  # a name holding the template's marker too

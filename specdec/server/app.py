@@ -9,7 +9,8 @@ path but /health needs `Authorization: Bearer KEY` (compared in constant time).
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad JSON or a request
 this server cannot serve (unknown model, prompt + max_tokens over the context, n > 1, logprobs),
 422 a field of the wrong type or out of range (max_tokens < 1, temperature < 0, top_p outside
-(0, 1]), 413 a body over the size limit, 401 a bad key, 429 a full queue, 503 shutting down, 500 a
+(0, 1]), 413 a body over the size limit, 401 a bad key, 429 a full queue, 503 shutting down or a lost
+device (code "device_lost": a sticky CUDA error; /health then answers 503 with the reason), 500 a
 request that failed while generating (the server goes on serving the others). Usage carries the
 request's speculation counters: usage.speculation = {steps, drafted, accepted, acceptance_rate,
 mean_accepted_length}.
@@ -37,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specdec.config import SamplingParams
 from specdec.errors import UserError
 from specdec.server.policy import BatchCosts, SpecPolicy
-from specdec.server.scheduler import Event, GenerationRequest, QueueFull, Scheduler, ShuttingDown
+from specdec.server.scheduler import DeviceLost, Event, GenerationRequest, QueueFull, Scheduler, ShuttingDown
 
 OPEN_PATHS = ("/health",)
 MAX_STOPS = 4  # as OpenAI's API
@@ -178,11 +179,12 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        status = "draining" if scheduler.draining else "ok"
+        status = "error" if scheduler.lost else "draining" if scheduler.draining else "ok"
         body = {"status": status, "model": settings.model_name, "device": settings.device,
                 "drafter": scheduler.drafter.name, "gamma": scheduler.policy.gamma,
-                "policy": scheduler.policy.name, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
-        return JSONResponse(body, status_code=503 if scheduler.draining else 200)
+                "policy": scheduler.policy.name, "running": scheduler.num_running, "waiting": scheduler.num_waiting,
+                **({"error": scheduler.lost} if scheduler.lost else {})}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -284,7 +286,7 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
     except QueueFull as e:
         raise ApiError(429, str(e), code="queue_full") from e
     except ShuttingDown as e:
-        raise ApiError(503, str(e), code="shutting_down") from e
+        raise ApiError(503, str(e), code="device_lost" if isinstance(e, DeviceLost) else "shutting_down") from e
     reply = Reply(chat, settings.model_name)
     if body.stream and body.return_token_ids:
         scheduler.cancel(job)

@@ -49,6 +49,7 @@ import torch
 from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams
 from specdec.drafters import Drafter
+from specdec.errors import first_line
 from specdec.server.metrics import ServerMetrics
 from specdec.server.policy import Acceptance, SpecPolicy
 from specdec.step import Prefill, Stepper, StepReport, new_stepper
@@ -63,6 +64,23 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The server is stopping and takes no new requests."""
+
+
+class DeviceLost(ShuttingDown):
+    """The device hit an error that poisons every later call on it (on CUDA a sticky error: an illegal
+    address, a device-side assert): the server takes no more requests, and says why."""
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why `device` can run nothing more, or None. Only CUDA has sticky errors: once one happened, every
+    later call raises it again (a synchronisation shows it); a step that raised on the CPU is retried."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as e:  # the context is poisoned
+        return first_line(e)
+    return None
 
 
 @dataclass
@@ -302,6 +320,7 @@ class Scheduler:
         self.ready = threading.Event()  # the decode thread has captured its first step shapes
         self.cond = threading.Condition()
         self.paused = self.idle = self.draining = self.stopping = False
+        self.lost: str | None = None  # why the device can run nothing more (device_lost)
         self.thread: threading.Thread | None = None
 
     # ---- called from other threads ------------------------------------------------------------
@@ -326,6 +345,9 @@ class Scheduler:
             raise ValueError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_tokens} "
                              f"must fit the context of {self.config.context}")
         with self.cond:
+            if self.lost is not None:
+                self.metrics.count_request("rejected")
+                raise DeviceLost(self.lost)
             if self.draining or self.stopping:
                 self.metrics.count_request("rejected")
                 raise ShuttingDown("the server is shutting down")
@@ -374,8 +396,9 @@ class Scheduler:
         self.running.clear()
         self.joining.clear()
         self.waiting.clear()
-        self.ops.reset()
-        self.ops.close()
+        if self.lost is None:  # a lost device raises at every call
+            self.ops.reset()
+            self.ops.close()
 
     # ---- the decode thread --------------------------------------------------------------------
 
@@ -402,7 +425,8 @@ class Scheduler:
         try:
             new = self.ops.capture_shapes(self.policy.gammas())
         except Exception:
-            log.exception("capturing the step graphs failed; each is captured when first needed instead")
+            if not self.device_lost():
+                log.exception("capturing the step graphs failed; each is captured when first needed instead")
             return
         if new:
             log.info(f"captured {new} step and prefill graphs for policy {self.policy.name} in {time.perf_counter() - t:.1f} s")
@@ -423,6 +447,8 @@ class Scheduler:
             if not self.running or self.paused:
                 self.drain()
         except Exception as e:  # a bug outside any one request: fail the batch, keep serving
+            if self.device_lost():
+                return
             log.exception("decode loop error")
             self.forget_launched()
             self.fail_joining(f"internal error: {e}")
@@ -462,6 +488,8 @@ class Scheduler:
         try:
             self.ops.start_prefill(slots, requests, self.config.prefill_chunk)
         except Exception as e:
+            if self.device_lost():
+                return
             log.exception("prefill failed")
             self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
 
@@ -470,6 +498,8 @@ class Scheduler:
         try:
             rows = self.ops.prefill_chunk()
         except Exception as e:
+            if self.device_lost():
+                return
             log.exception("prefill failed")
             self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
             return
@@ -514,6 +544,8 @@ class Scheduler:
             while len(self.launched) > keep:
                 self.read_oldest()
         except Exception:
+            if self.device_lost():
+                return
             log.exception("batched step failed; retrying row by row")
             self.forget_launched()
             slots = sorted(self.running)
@@ -622,6 +654,28 @@ class Scheduler:
                 wakes[item.request.wake] = None
         for wake in wakes:
             deliver(wake)
+
+    def device_lost(self) -> bool:
+        """Called where an error was caught: when the device can run nothing more (device_problem), stop
+        taking requests, fail every request held with the reason, end the decode loop and return True; an
+        error of one step or request returns False (the caller retries or fails what it concerns)."""
+        problem = device_problem(self.batch.device)
+        if problem is None:
+            return False
+        self.lost = f"the device can run nothing more ({problem}); the server must be restarted"
+        log.critical(self.lost, exc_info=True)
+        with self.cond:
+            self.stopping = True
+            held = [serving.request for serving in self.running.values()] + [*self.joining.values(), *self.waiting]
+            self.waiting.clear()
+            self.cond.notify_all()
+        for request in held:
+            self.finish_with_error(request, self.lost)
+        self.running.clear()
+        self.joining.clear()
+        self.launched.clear()
+        self.hand_over()
+        return True
 
     def fail(self, slot: int, message: str) -> None:
         self.finish_with_error(self.running[slot].request, message)
