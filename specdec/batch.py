@@ -216,10 +216,25 @@ def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+STOP_REACH_PER_CHAR = 4  # tokens a character may span (a byte-level tokenizer splits a 4-byte UTF-8 character)
+STOP_REACH_MARGIN = 8  # more tokens before them, so no stop string starts at the window's first token
+
+
 def cut_at_stop_string(decode, before: list[int], new: list[int], stops: tuple[str, ...]) -> tuple[list[int], str | None]:
     """The prefix of `new` up to the token that completes a stop string in decode(before + new), and the
-    text cut before that stop string; (new, None) when no stop string appears."""
-    if not new or find_stop(decode(before + new), stops) is None:
+    text cut before that stop string; (new, None) when no stop string appears.
+
+    A stop string found now ends in `new` (an earlier one would have ended the row), so each step first
+    decodes only a window: `new` and the last tokens of `before` that could hold such a stop string's
+    start, with a margin, since a window's first token may decode differently (a leading space dropped, a
+    partial character). Decoding the whole output at every step cost O(length) per row and step (260 us at
+    512 tokens with the default tokenizer); the whole text is decoded only when the window holds a stop."""
+    if not new:
+        return new, None
+    reach = STOP_REACH_PER_CHAR * max(len(s) for s in stops) + STOP_REACH_MARGIN
+    if len(before) > reach and find_stop(decode(before[-reach:] + new), stops) is None:
+        return new, None
+    if find_stop(decode(before + new), stops) is None:
         return new, None
     for m in range(1, len(new) + 1):
         text = decode(before + new[:m])

@@ -269,6 +269,59 @@ def test_incremental_text_equals_the_whole_decode(default_model, cleanup):
     assert not cleanup or codec.decode(tokenizer("a .", add_special_tokens=False)["input_ids"]) == "a."
 
 
+def whole_text_cut(decode, before: list[int], new: list[int], stops: tuple[str, ...]):
+    """cut_at_stop_string as it was: the whole output decoded at every step (the reference)."""
+    from specdec.batch import find_stop
+
+    if not new or find_stop(decode(before + new), stops) is None:
+        return new, None
+    for m in range(1, len(new) + 1):
+        text = decode(before + new[:m])
+        if find_stop(text, stops) is not None:
+            return new[:m], text[:find_stop(text, stops)]
+
+
+@pytest.mark.parametrize("cleanup", [False, True], ids=["plain", "cleaning_up"])
+def test_stop_strings_are_found_from_a_window_as_from_the_whole_text(default_model, cleanup):
+    """A step looks for stop strings in a window of the output's last tokens, not in the whole output
+    (O(length) per row and step): it must cut where the whole decode cuts, for stop strings of multi-byte
+    characters split across tokens, with leading spaces, across a rewriting tokenizer's borders, and late
+    in long outputs; and a step that finds none decodes only the window."""
+    from specdec.batch import STOP_REACH_MARGIN, STOP_REACH_PER_CHAR, cut_at_stop_string, find_stop
+
+    tokenizer = default_model.tokenizer
+    codec = Codec(CleaningUp(tokenizer) if cleanup else tokenizer)
+    filler = " ".join([INCREMENTAL_TEXTS[3]] * 12)  # long and free of most stops below: the window is a small part of it
+    ids = tokenizer(filler + " " + " ".join(INCREMENTAL_TEXTS), add_special_tokens=False)["input_ids"]
+    after_filler = len(tokenizer(filler, add_special_tokens=False)["input_ids"]) - 1
+    stops_tried = [("\U0001F642",), (" \u00bd",), (" don",), ("n't",), ("May .", "ü"), ("\n\n",), ("absent",),
+                   (ids and codec.decode(ids[-6:]),)]
+    gen = torch.Generator().manual_seed(0)
+    cuts = 0
+    for stops in stops_tried:
+        reach = STOP_REACH_PER_CHAR * max(len(s) for s in stops) + STOP_REACH_MARGIN
+        for start in (0, after_filler):
+            before, at = ids[:start], start
+            if find_stop(codec.decode(before), stops) is not None:
+                continue  # a row holding a stop string already would have stopped
+            while at < len(ids):
+                new = ids[at: at + int(torch.randint(1, 5, (1,), generator=gen))]
+                lengths = []
+
+                def decode(tokens):
+                    lengths.append(len(tokens))
+                    return codec.decode(tokens)
+
+                got, expected = cut_at_stop_string(decode, before, new, stops), whole_text_cut(codec.decode, before, new, stops)
+                assert got == expected, (stops, start, at)
+                if expected[1] is not None:
+                    cuts += len(before) > reach  # found through the window of a long output
+                    break
+                assert max(lengths) <= min(reach, len(before)) + len(new)  # the window only, not the whole output
+                before, at = before + new, at + len(new)
+    assert cuts >= 5  # stop strings met late in a long output (the test can fail)
+
+
 def test_incremental_text_of_a_word_level_tokenizer(model):
     codec = Codec(model.tokenizer)
     grow_and_compare(codec, model.tokenizer(" ".join(PROMPTS))["input_ids"], seed=0)
