@@ -398,7 +398,7 @@ class Scheduler:
         self.waiting.clear()
         if self.lost is None:  # a lost device raises at every call
             self.ops.reset()
-            self.ops.close()
+        self.ops.close()  # host-side only (tensor parallelism: releases the followers)
 
     # ---- the decode thread --------------------------------------------------------------------
 
