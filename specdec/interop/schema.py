@@ -206,6 +206,15 @@ class Validation:
 # ---- Llama pieces -------------------------------------------------------------------------------
 
 
+def speculators_config_keys(algorithm: str) -> tuple[Key, ...]:
+    """The `speculators_config` block every speculators-format config carries (algorithm, proposal methods,
+    the verifier it drafts for)."""
+    return (Key("speculators_config", (dict,)), Key("speculators_config.algorithm", (str,), value=algorithm),
+            Key("speculators_config.proposal_methods", (list,)), Key("speculators_config.default_proposal_method", (str,)),
+            Key("speculators_config.verifier", (dict,)), Key("speculators_config.verifier.name_or_path", (str,)),
+            Key("speculators_config.verifier.architectures", (list,)))
+
+
 def llama_keys(prefix: str = "", one_layer: bool = True) -> tuple[Key, ...]:
     """The Llama config entries the loaders build a decoder layer from."""
     p = prefix
@@ -547,12 +556,7 @@ register(Schema(
           Key("architectures", (list,)), Key("transformer_layer_architecture", (str,), required=False),
           Key("transformer_layer_config", (dict,)), *llama_keys("transformer_layer_config."),
           Key("layernorms", (bool,), value=False), Key("fusion_bias", (bool,)),
-          Key("speculators_config", (dict,)), Key("speculators_config.algorithm", (str,), value="eagle"),
-          Key("speculators_config.proposal_methods", (list,)),
-          Key("speculators_config.default_proposal_method", (str,)),
-          Key("speculators_config.verifier", (dict,)),
-          Key("speculators_config.verifier.name_or_path", (str,)),
-          Key("speculators_config.verifier.architectures", (list,))),
+          *speculators_config_keys("eagle")),
     weights="model.safetensors", tensors=eagle_speculators_tensors, reads_every_safetensors=False, d2t=D2T_FILE,
     config_check=eagle_speculators_check,
     notes=("speculators removed its EAGLE-1 model after v0.6.0.1 (#672) and vLLM loads speculators eagle3 "
@@ -581,12 +585,7 @@ register(Schema(
           Key("draft_vocab_size", (int,)), Key("norm_before_residual", (bool,), value=False),
           Key("norm_before_fc", (bool,), required=False, value=False), Key("target_hidden_size", (int,), required=False),
           Key("eagle_aux_hidden_state_layer_ids", (list,), required=False),
-          Key("speculators_config", (dict,)), Key("speculators_config.algorithm", (str,), value="eagle3"),
-          Key("speculators_config.proposal_methods", (list,)),
-          Key("speculators_config.default_proposal_method", (str,)),
-          Key("speculators_config.verifier", (dict,)),
-          Key("speculators_config.verifier.name_or_path", (str,)),
-          Key("speculators_config.verifier.architectures", (list,))),
+          *speculators_config_keys("eagle3")),
     weights="model.safetensors", tensors=eagle3_speculators_tensors, reads_every_safetensors=True,
     config_check=eagle3_speculators_check, values_check=eagle3_vocab_check,
     notes=("norm_before_residual must be written: vLLM's speculators reader defaults it to true, speculators to "
