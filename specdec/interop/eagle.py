@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,15 +45,31 @@ LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.
          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-def layer_tensors(head: EagleHead) -> dict[str, Tensor]:
-    """The decoder layer in transformers' names (no prefix), unfused, float16 on the CPU."""
+def unfused_products(head) -> dict[str, Tensor]:
+    """The head's decoder layer's products in transformers' names (no prefix): q/k/v and gate/up split
+    apart (an EAGLE or EAGLE-3 head; float weights, detached)."""
     c, layer = head.config, head.layers[0]
     q, k, v = float_weight(layer.self_attn.qkv_proj).detach().split(
-        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])
+        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])  # rows
     gate, up = float_weight(layer.mlp.gate_up_proj).detach().chunk(2)
     values = (q, k, v, float_weight(layer.self_attn.o_proj).detach(), gate, up, float_weight(layer.mlp.down_proj).detach())
-    out = {f"{name}.weight": w for name, w in zip(LAYER, values)}
-    out["post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.detach()
+    return {f"{name}.weight": w for name, w in zip(LAYER, values)}
+
+
+def fused_products(weight: Callable[[str], Tensor]) -> dict[str, Tensor]:
+    """unfused_products back into the head's own names (layers.0.*, q/k/v and gate/up fused), from
+    weight(name), a product's weight in transformers' names."""
+    return {
+        "layers.0.self_attn.qkv_proj.weight": torch.cat([weight(f"self_attn.{p}_proj") for p in "qkv"]),
+        "layers.0.self_attn.o_proj.weight": weight("self_attn.o_proj"),
+        "layers.0.mlp.gate_up_proj.weight": torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]),
+        "layers.0.mlp.down_proj.weight": weight("mlp.down_proj"),
+    }
+
+
+def layer_tensors(head: EagleHead) -> dict[str, Tensor]:
+    """The decoder layer in transformers' names (no prefix), unfused, float16 on the CPU."""
+    out = {**unfused_products(head), "post_attention_layernorm.weight": head.layers[0].post_attention_layernorm.weight}
     return {name: half(w) for name, w in out.items()}
 
 
@@ -202,10 +219,7 @@ def import_eagle(folder: str | Path) -> EagleHead:
         state = {
             "fc.weight": weights[f"{fc}.weight"].float(),
             "fc.bias": weights[f"{fc}.bias"].float() if f"{fc}.bias" in weights else torch.zeros(head.config.hidden_size),
-            "layers.0.self_attn.qkv_proj.weight": torch.cat([w(f"self_attn.{p}_proj") for p in "qkv"]),
-            "layers.0.self_attn.o_proj.weight": w("self_attn.o_proj"),
-            "layers.0.mlp.gate_up_proj.weight": torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]),
-            "layers.0.mlp.down_proj.weight": w("mlp.down_proj"),
+            **fused_products(w),
             "layers.0.post_attention_layernorm.weight": w("post_attention_layernorm"),
             "d2t": d2t,
         }

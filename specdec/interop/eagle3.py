@@ -37,14 +37,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from specdec.errors import UserError
-from specdec.interop.eagle import SPECULATORS_VERSION, config_from_llama, half, llama_config, proposal_config
+from specdec.interop.eagle import (SPECULATORS_VERSION, config_from_llama, fused_products, half, llama_config,
+                                   proposal_config, unfused_products)
 from specdec.interop.schema import EAGLE3_TAPS, validate
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
 from specdec.models.linear import float_weight
 
 LAYER_PREFIX = {"speculators": "layers.0.", "sglang": "midlayer."}
-UNFUSED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
 
 
@@ -78,15 +77,9 @@ def fc_in_layer_order(head: Eagle3Head, taps: Taps) -> Tensor:
 
 
 def layer_tensors(head: Eagle3Head) -> dict[str, Tensor]:
-    """The decoder layer in transformers' names (no prefix), q/k/v and gate/up unfused."""
-    c, layer = head.config, head.layers[0]
-    q, k, v = float_weight(layer.self_attn.qkv_proj).detach().split(
-        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])  # rows; columns [emb ; h]
-    gate, up = float_weight(layer.mlp.gate_up_proj).detach().chunk(2)
-    values = (q, k, v, float_weight(layer.self_attn.o_proj), gate, up, float_weight(layer.mlp.down_proj))
-    out = {f"{name}.weight": w for name, w in zip(UNFUSED, values)}
-    out.update({f"{name}.weight": getattr(layer, name).weight for name in NORMS})
-    return out
+    """The decoder layer in transformers' names (no prefix), q/k/v and gate/up unfused (q/k/v's columns:
+    [embedding ; h])."""
+    return {**unfused_products(head), **{f"{name}.weight": getattr(head.layers[0], name).weight for name in NORMS}}
 
 
 def vocab_tensors(head: Eagle3Head) -> dict[str, Tensor]:
@@ -195,10 +188,7 @@ def load_head_tensors(head: Eagle3Head, weights: dict[str, Tensor], prefix: str,
     draft_ids = torch.arange(head.config.draft_vocab_size)
     state = {
         "fc.weight": weights["fc.weight"].float(),
-        "layers.0.self_attn.qkv_proj.weight": torch.cat([w(f"self_attn.{p}_proj") for p in "qkv"]),
-        "layers.0.self_attn.o_proj.weight": w("self_attn.o_proj"),
-        "layers.0.mlp.gate_up_proj.weight": torch.cat([w("mlp.gate_proj"), w("mlp.up_proj")]),
-        "layers.0.mlp.down_proj.weight": w("mlp.down_proj"),
+        **fused_products(w),
         **{f"layers.0.{name}.weight": w(name) for name in NORMS},
         "norm.weight": weights["norm.weight"].float(),
         "lm_head.weight": weights["lm_head.weight"].float(),
