@@ -57,9 +57,9 @@ from specdec.train.common import (
     command_line,
     frequent_vocab,
     learning_rate,
-    load_checkpoint,
     pad_batch,
     plan_batches,
+    resume_from,
     save_checkpoint,
     split_held_out,
     training_data,
@@ -259,10 +259,7 @@ def run(args: argparse.Namespace) -> int:
             "batch_tokens": args.batch_tokens, "lr": lr, "data": features.source, "tokens": features.num_tokens,
             "data_key": features.key}
     if args.resume:
-        checkpoint = load_checkpoint(out, meta)
-        draft.load_state_dict(checkpoint.weights, strict=False)
-        optimizer.load_state_dict(checkpoint.optimizer)
-        start, log = checkpoint.step, checkpoint.log
+        start, log = resume_from(out, meta, draft, optimizer, args.steps)
     else:
         start, log = 0, {"losses": [], "before": evaluate(draft, target, features, held_ids, args.batch_tokens)}
 
