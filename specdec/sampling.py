@@ -290,11 +290,41 @@ def histogram(bin_of: Tensor, weights: Tensor, bins: int) -> Tensor:
 # ---- Sampling ---------------------------------------------------------------------------------------
 
 
-def sample(probs: Tensor, u: Tensor) -> Tensor:
+SAMPLE_BLOCK = 256  # tokens per block of the two-level inverse CDF on CUDA (sample)
+
+
+def sample(probs: Tensor, u: Tensor, block: int | None = None) -> Tensor:
     """probs [..., V] (need not sum to 1), u [...] in [0, 1) -> token ids [...] by inverse CDF: the first
     token whose cumulative mass exceeds u * total. A zero-probability token adds nothing to the
-    cumulative mass, so it is never returned, even when u * total rounds up to the total."""
-    cdf = probs.float().cumsum(-1)  # [..., V]
+    cumulative mass, so it is never returned.
+
+    On CUDA in two levels (`block`: SAMPLE_BLOCK there, the whole vocabulary elsewhere): a block of
+    tokens by the blocks' masses, then a token of that
+    block by its tokens' masses, with what is left of u; in exact arithmetic the same token. Two short
+    scans instead of one over the vocabulary, because torch.compile (inductor) cannot generate its split
+    scan kernel for a cumsum over 49152 tokens when the batch size is dynamic: the server's verification
+    then ran as separate kernels. On the CPU one level: the second level's few operations cost more
+    there than the scan they shorten."""
+    p = probs.float()
+    size = block or (SAMPLE_BLOCK if p.is_cuda else p.shape[-1])
+    if size >= p.shape[-1]:
+        return invert_cdf(p, u)[0]
+    pad = -p.shape[-1] % size
+    blocks = (torch.nn.functional.pad(p, (0, pad)) if pad else p).unflatten(-1, (-1, size))  # [..., nb, size]
+    chosen, rest = invert_cdf(blocks.sum(-1), u)  # [...] each
+    index = chosen[..., None, None].expand(*chosen.shape, 1, size)  # [..., 1, size]
+    token, _ = invert_cdf(blocks.gather(-2, index).squeeze(-2), rest)  # [...]
+    return (chosen * size + token).clamp(max=probs.shape[-1] - 1)
+
+
+def invert_cdf(weights: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """weights [..., N] >= 0 (a positive total), u [...] in [0, 1) -> (i, rest), each [...]: the first
+    index whose cumulative weight exceeds u * total, and where u * total falls within i's own interval,
+    rescaled to [0, 1) (uniform there when u is uniform)."""
+    cdf = weights.cumsum(-1)  # [..., N]
     total = cdf[..., -1:]  # [..., 1]
     x = torch.minimum(u[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [..., 1] < total
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    i = torch.searchsorted(cdf, x, right=True).clamp_(max=weights.shape[-1] - 1)  # [..., 1]
+    w = weights.gather(-1, i)  # [..., 1] > 0 unless the row is all zeros
+    rest = (x - cdf.gather(-1, i) + w).div_(w.clamp(min=torch.finfo(w.dtype).tiny)).clamp_(0, 1 - 2**-24)  # [..., 1]
+    return i.squeeze(-1), rest.squeeze(-1)

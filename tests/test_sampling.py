@@ -447,6 +447,46 @@ def test_sample_follows_probs():
     assert chisquare(observed[keep].numpy(), expected.numpy()).pvalue > ALPHA
 
 
+def flat_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The one-level inverse CDF that sample's two levels compute: the first token whose cumulative mass
+    (float64) exceeds u * total."""
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    return torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+
+
+def test_sample_over_several_blocks_is_the_inverse_cdf():
+    """Two levels (a block, then a token in it: CUDA's way) give the token of one inverse CDF over the
+    whole vocabulary for the same u, across blocks, with empty blocks and a short last block; rounding
+    may move a few u that fall within float32 steps of a boundary."""
+    from specdec.sampling import SAMPLE_BLOCK
+
+    V, n = 3 * SAMPLE_BLOCK + 17, 20_000
+    g = seeded_generator(5)
+    probs = (3 * torch.randn(V, generator=g, device=DEVICE)).softmax(-1)  # [V]
+    probs[SAMPLE_BLOCK : 2 * SAMPLE_BLOCK] = 0.0  # an empty block
+    probs[SAMPLE_BLOCK - 1] = probs[2 * SAMPLE_BLOCK] = 0.0  # zero tokens beside it
+    probs[3 * SAMPLE_BLOCK + 16] = 0.2  # a heavy token at the end of the short last block
+    u = uniforms(torch.full((1,), 7, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), n)[0]  # [n]
+    tokens = sample(probs.expand(n, -1), u, block=SAMPLE_BLOCK)
+    assert not torch.isin(tokens, torch.tensor([SAMPLE_BLOCK - 1, 2 * SAMPLE_BLOCK], device=DEVICE)).any()
+    assert not ((tokens >= SAMPLE_BLOCK) & (tokens < 2 * SAMPLE_BLOCK)).any()
+    same = (tokens == flat_inverse_cdf(probs.expand(n, -1), u)).float().mean().item()
+    assert same > 0.999, same
+    observed = torch.bincount(tokens.cpu(), minlength=V).double()
+    expected = probs.cpu().double() * n
+    keep = expected > 5
+    assert observed[~keep].sum() < 0.02 * n
+    expected = expected[keep] * observed[keep].sum() / expected[keep].sum()
+    assert chisquare(observed[keep].numpy(), expected.numpy()).pvalue > ALPHA
+
+
+def test_sample_of_an_all_zero_row_is_a_token():
+    probs = torch.zeros(2, 2 * 256 + 3, device=DEVICE)  # [B, V] (a residual p - q that vanished)
+    for block in (None, 256):
+        tokens = sample(probs, torch.tensor([0.0, 0.9], device=DEVICE), block)
+        assert ((tokens >= 0) & (tokens < probs.shape[-1])).all()
+
+
 # ---------------------------------------------------------------- graph safety
 
 
