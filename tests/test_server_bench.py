@@ -11,7 +11,7 @@ import pytest
 
 from specdec.server.app import SamplingFields
 from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
-                                  check_targets, fixed_sampling, plan_request, run_load, sample_memory, sampling_fields,
+                                  check_targets, client_processes, fixed_sampling, plan_request, run_load, sample_memory, sampling_fields,
                                   write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
@@ -50,9 +50,10 @@ def test_bench_serve_measures_every_level(model, tmp_path):
 def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     scheduler = make_scheduler(model, policy="on", max_batch=4)
     plan = LoadPlan(concurrency=(4,), policies=("on",), requests=12, max_tokens=96, sampling=SAMPLING_MIX,
-                    threshold=2, disconnect_fraction=0.25)
+                    threshold=2, disconnect_fraction=0.25, client_processes=2)  # two processes share the 4 streams
     with serving(scheduler, admin=True) as (url, _):
         _, [level] = run_load(url, KEY, PROMPTS, plan)
+    assert level.client_processes == 2
     assert (level.requests, level.ok, level.disconnected, level.lost) == (12, 9, 3, 0), level.errors
     assert level.rows_freed and not scheduler.batch.active.any()
     assert 0 < level.server_cancelled <= level.disconnected  # the server saw clients leave mid-stream
@@ -60,6 +61,12 @@ def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     assert sum(counts.get("disconnected", 0) for counts in level.sampling.values()) == 3
     assert [m.requests_done for m in level.memory] == [0, 12] and level.rss_growth_mib is not None
     assert (level.gpu_reserved_growth_mib is None) == (read_cuda_memory() == [])  # measured where CUDA holds memory
+
+
+def test_client_processes_share_the_streams_up_to_the_cpus(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert [client_processes(c, None) for c in (1, 8, 9, 32, 64)] == [1, 1, 2, 4, 6]
+    assert client_processes(4, 3) == 3 and client_processes(2, 8) == 2  # asked; never more than the streams
 
 
 def test_requests_spread_disconnects_and_meet_every_sampling_set():

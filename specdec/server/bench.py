@@ -9,8 +9,11 @@ and its sampling parameters from --temperature, or with --sampling-mix from SAMP
 every set), so the batch holds rows that sample differently. With --disconnect-fraction F,
 floor(n x F) of a level's n requests, evenly spread, close their stream after DISCONNECT_AFTER_CHUNKS
 chunks. Before each level, one untimed wave of c requests (none disconnecting) lets the server capture
-the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. Measured on the
-client:
+the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. A level's streams
+are shared by client processes (client_processes: one per STREAMS_PER_PROCESS streams, at most one per
+CPU; one Python process parses about 10k chunks/s, so a single one would time itself at dozens of streams
+on a GPU server); they connect before the level's clock starts and take the level's requests from one
+shared counter. Measured on the client:
 - throughput: completion tokens of the level's completed requests / its wall seconds (the tokens a
   disconnected request received are not counted);
 - TTFT: request sent to the first chunk (it comes with the first token); ITL: (last chunk - first) /
@@ -35,7 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import queue as queue_module
 import platform
 import secrets
 import socket
@@ -151,6 +156,7 @@ class LevelResult:
     gpu_reserved_growth_mib: float | None = None
     sampling: dict[str, dict[str, int]] = field(default_factory=dict)  # set name -> {outcome: requests}
     errors: list[str] = field(default_factory=list)  # the first few
+    client_processes: int = 1  # processes that drove the level's streams
 
     @property
     def lost(self) -> int:
@@ -171,6 +177,7 @@ class LoadPlan:
     threshold: int
     disconnect_fraction: float = 0.0  # of each level's requests, in [0, 1)
     warmup: bool = True  # one untimed wave of `concurrency` requests before each level (see run_level)
+    client_processes: int | None = None  # processes sharing a level's streams; None: client_processes()
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(8, 4 * concurrency)
@@ -332,32 +339,133 @@ async def wait_for_idle(client, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str,
 async def run_level(url: str, headers: dict, model: str, prompts: list[str], policy: str, concurrency: int,
                     plan: LoadPlan, progress) -> LevelResult:
     n = plan.requests_at(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(600, connect=30)) as client:
+    async with http_client(url, headers, concurrency) as client:
         if plan.warmup:  # the level's batch bucket captures its graphs here, not in the timed requests
             await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None),
                                                plan.max_tokens) for i in range(concurrency)))
             await wait_for_idle(client)
         start = await scrape(client)
         memory = [sample_memory(0, start)]
-        results: list[RequestResult] = []
-        sent = 0
-
-        async def worker() -> None:
-            nonlocal sent
-            while sent < n:
-                i, sent = sent, sent + 1
-                results.append(await one_request(client, model, plan_request(plan, prompts, i), plan.max_tokens))
-                progress.update(1)
-                if len(results) % MEMORY_EVERY == 0 and len(results) < n:
-                    memory.append(sample_memory(len(results), await scrape(client)))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+        procs = client_processes(concurrency, plan.client_processes)
+        counts = Counts(mp.get_context("spawn"))
+        if procs == 1:
+            t0 = time.monotonic()
+            drivers = asyncio.gather(drive(client, model, prompts, plan, n, concurrency, counts))
+        else:
+            started = start_clients(url, headers, model, prompts, plan, n, concurrency, procs, counts)
+            while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
+                await asyncio.sleep(0.02)  # their imports and connections are not timed
+            t0 = time.monotonic()
+            counts.go.set()
+            drivers = asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started))
+        seen = 0
+        while not drivers.done():  # progress, and memory every MEMORY_EVERY finished requests
+            await asyncio.wait({drivers}, timeout=0.05)
+            finished = counts.finished.value
+            progress.update(finished - seen)
+            if finished // MEMORY_EVERY > seen // MEMORY_EVERY and finished < n:
+                memory.append(sample_memory(finished, await scrape(client)))
+            seen = finished
+        progress.update(counts.finished.value - seen)
+        ends = drivers.result()
+        wall = max(end for end, _ in ends) - t0
+        results = [r for _, part in ends for r in part]
+        results += [RequestResult("failed", "-", "its client process ended without results")] * (n - len(results))
         end = await wait_for_idle(client)
         memory.append(sample_memory(len(results), end))
-    return summarize(policy, concurrency, results, wall, memory, start, end)
+    return replace(summarize(policy, concurrency, results, wall, memory, start, end), client_processes=procs)
+
+
+STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives
+
+
+def client_processes(concurrency: int, asked: int | None) -> int:
+    """Processes that share a level's streams: one Python process parses about 10k chunks/s, which
+    bounds what it can measure (a fast server at dozens of streams sends more); at most the CPUs this
+    process may run on. `asked` (--client-processes) overrides."""
+    if asked:
+        return max(1, min(asked, concurrency))
+    return max(1, min(-(-concurrency // STREAMS_PER_PROCESS), len(os.sched_getaffinity(0))))
+
+
+def http_client(url: str, headers: dict, concurrency: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    return httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=httpx.Timeout(600, connect=30))
+
+
+class Counts:
+    """What a level's client processes share: the next request index to send, the requests finished,
+    the processes ready to send, and the start signal."""
+
+    def __init__(self, ctx) -> None:
+        self.next, self.finished, self.ready, self.go = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
+
+    def take(self, n: int) -> int | None:
+        with self.next.get_lock():
+            i = self.next.value
+            if i >= n:
+                return None
+            self.next.value = i + 1
+            return i
+
+    def add(self, counter) -> None:
+        with counter.get_lock():
+            counter.value += 1
+
+
+async def drive(client, model: str, prompts: list[str], plan: LoadPlan, n: int, streams: int,
+                counts: Counts) -> tuple[float, list[RequestResult]]:
+    """`streams` clients send the level's requests back to back until n are taken; (monotonic time the
+    last finished, their results)."""
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while (i := counts.take(n)) is not None:
+            results.append(await one_request(client, model, plan_request(plan, prompts, i), plan.max_tokens))
+            counts.add(counts.finished)
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    return time.monotonic(), results
+
+
+def start_clients(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, n: int, concurrency: int,
+                  procs: int, counts: Counts) -> list[tuple[mp.Process, mp.Queue]]:
+    """Client processes sharing the level's `concurrency` streams, each with the queue it answers on."""
+    ctx = mp.get_context("spawn")
+    started = []
+    for k in range(procs):
+        streams = concurrency // procs + (k < concurrency % procs)
+        queue = ctx.Queue()
+        proc = ctx.Process(target=client_process, args=(url, headers, model, prompts, plan, n, streams, counts, queue),
+                           daemon=True)
+        proc.start()
+        started.append((proc, queue))
+    return started
+
+
+def client_process(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, n: int, streams: int,
+                   counts: Counts, queue: mp.Queue) -> None:
+    """One client process: connect, say it is ready, wait for the start, drive its streams, answer (end, results)."""
+    async def main() -> tuple[float, list[RequestResult]]:
+        async with http_client(url, headers, streams) as client:
+            counts.add(counts.ready)
+            await asyncio.to_thread(counts.go.wait)
+            return await drive(client, model, prompts, plan, n, streams, counts)
+
+    queue.put(asyncio.run(main()))
+
+
+def wait_for(proc: mp.Process, queue: mp.Queue) -> tuple[float, list[RequestResult]]:
+    """A client process's (end, results); one that died gives none (its requests then count as lost)."""
+    try:
+        while True:
+            try:
+                return queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if not proc.is_alive():
+                    return time.monotonic(), []
+    finally:
+        proc.join(timeout=10)
 
 
 def summarize(policy: str, concurrency: int, results: list[RequestResult], wall: float,
@@ -497,13 +605,13 @@ def format_table(levels: list[LevelResult]) -> str:
     """A markdown table (readable in a terminal too), with each level's throughput against `off` and the
     server's memory growth over the level (last sample - first, MiB)."""
     off = {lv.concurrency: lv.tokens_per_s for lv in levels if lv.policy == "off"}
-    head = ["policy", "concurrency", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off", "TTFT p50 ms",
+    head = ["policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off", "TTFT p50 ms",
             "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "acceptance", "RSS growth MiB", "GPU alloc growth MiB",
             "GPU resv growth MiB"]
     rows = []
     for lv in levels:
         ratio = lv.tokens_per_s / off[lv.concurrency] if off.get(lv.concurrency) else None
-        rows.append([lv.policy, str(lv.concurrency), str(lv.requests), str(lv.ok), str(lv.disconnected), str(lv.lost),
+        rows.append([lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok), str(lv.disconnected), str(lv.lost),
                      fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
                      fmt(lv.itl_p50_ms, 2), fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3),
                      fmt(lv.rss_growth_mib), fmt(lv.gpu_allocated_growth_mib), fmt(lv.gpu_reserved_growth_mib)])

@@ -65,6 +65,9 @@ def add_server_commands(sub) -> None:
     b.add_argument("--prefill-chunk", type=int, default=None,
                    help="server: most prompt tokens read between two decode steps (default: the server's)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
+    b.add_argument("--client-processes", type=int, default=None,
+                   help="processes sharing each level's streams (default: one per 8 streams, at most one per CPU this "
+                        "command may use): one Python process parses about 10k chunks/s, less than a fast server sends")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
@@ -202,10 +205,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 <= args.disconnect_fraction < 1:
         raise UserError(f"--disconnect-fraction must be in [0, 1), got {args.disconnect_fraction}")
+    if args.client_processes is not None and args.client_processes < 1:
+        raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
     prompts = prompts_for(args.task, args.limit)
     sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
     plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, sampling,
-                    args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup)
+                    args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup,
+                    client_processes=args.client_processes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
