@@ -254,6 +254,33 @@ class CleaningUp:
         return text
 
 
+def test_prompts_are_encoded_while_the_decode_thread_decodes(model):
+    """The event loop encodes with a tokenizer of its own: a decode in progress on the decode thread does
+    not hold up a new request's prompt (and with it every stream the event loop serves)."""
+    codec = Codec(model.tokenizer)
+    decoding, release = threading.Event(), threading.Event()
+    real = codec.decoder.decode
+
+    def slow_decode(ids, **kwargs):
+        decoding.set()
+        release.wait(10)
+        return real(ids, **kwargs)
+
+    codec.decoder.decode = slow_decode
+    thread = threading.Thread(target=codec.decode, args=([5, 6, 7],))
+    thread.start()
+    try:
+        assert decoding.wait(10)
+        encoded = []
+        encoder = threading.Thread(target=lambda: encoded.append(codec.encode_text(PROMPTS[0])))
+        encoder.start()
+        encoder.join(5)
+        assert encoded == [model.tokenizer(PROMPTS[0])["input_ids"]]  # done while the decode still waits
+    finally:
+        release.set()
+        thread.join()
+
+
 @pytest.mark.parametrize("cleanup", [False, True], ids=["plain", "cleaning_up"])
 def test_incremental_text_equals_the_whole_decode(default_model, cleanup):
     """The server decodes a row's last few tokens per step, not its whole output; its text must be the
@@ -724,6 +751,18 @@ def test_cost_policy_decides_from_measured_step_times():
         policy.observe_step_time(1, 3, 20.0)  # but drafting steps are slow in practice
     assert policy.step_seconds(1, 3) == 20.0  # measured
     assert policy.choose(rows) == 0
+
+
+def test_cost_policy_prices_a_step_by_the_slots_it_computes():
+    """One row left in a bucket of 32 slots: the captured step still computes 32 rows, compute-bound in
+    linear_costs, so drafting does not pay there though it would for a lone row in a bucket of 1; the
+    times measured for a bucket serve every row count in it."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    assert policy.choose(rows_accepting(3, 1)) == 3 and policy.choose(rows_accepting(3, 1), slots=32) == 0
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(32, 0, 40.0)
+        policy.observe_step_time(32, 3, 41.0)  # measured: drafting costs next to nothing in this bucket
+    assert policy.choose(rows_accepting(3, 20), slots=32) == 3 and policy.choose(rows_accepting(3, 5), slots=32) == 3
 
 
 def test_cost_policy_times_the_whole_step_launch_included(model):

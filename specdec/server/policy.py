@@ -11,7 +11,8 @@ becomes compute-bound and every rejected draft token is work taken from other re
 - `cost`: each step, the gamma in 0..gamma_max that maximises expected tokens per second of the batch,
       sum_b E_b(g) / S(B, g),
   where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py)
-  and S(B, g) the seconds of a whole step of B rows drafting g tokens each. S is measured: the median
+  and S(B, g) the seconds of a whole step over B slots (the scheduler's bucket: a captured step
+  computes every slot of it) drafting g tokens each. S is measured: the median
   of the last steps of that shape, once there are STEP_SAMPLES of them. Until then it is predicted
   from the forward times measured at start, T(B, w(g) + 1) (interpolated between measured batch sizes
   and k; w(g) the draft tokens a row verifies: g for a chain, a tree's nodes down to depth g), plus
@@ -154,8 +155,11 @@ class SpecPolicy:
             raise UserError("the cost policy needs measured forward times (BatchCosts)")
         self.overall = Acceptance.empty(self.gamma)
 
-    def choose(self, rows: list[Acceptance]) -> int:
-        """Gamma for the next step of a batch whose rows have these acceptance counts."""
+    def choose(self, rows: list[Acceptance], slots: int | None = None) -> int:
+        """Gamma for the next step of a batch whose rows have these acceptance counts; `slots`: the rows
+        the step computes (the scheduler's bucket, holding rows that left or opt out too; default: the
+        rows). `cost` prices steps by it: a captured step of a bucket costs the same whoever is in it, so
+        its few bucket sizes are measured sooner than every count of rows would be."""
         if self.name == "off":
             return 0
         if self.name == "on" or (self.name == "batch-threshold" and len(rows) <= self.threshold):
@@ -164,15 +168,16 @@ class SpecPolicy:
             return 0
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
-        best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g))
+        B = slots or len(rows)
+        best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
         if best > 0:
             self.idle_steps, self.explore_after = 0, EXPLORE_EVERY
             return best
         self.idle_steps += 1
         if self.idle_steps >= self.explore_after:
             self.idle_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MOST)
-            worth = [g for g in range(1, self.gamma + 1) if self.could_pay(len(rows), g)]
-            return max(worth, key=lambda g: self.tokens_per_s(alphas, g), default=0)
+            worth = [g for g in range(1, self.gamma + 1) if self.could_pay(B, g)]
+            return max(worth, key=lambda g: self.tokens_per_s(alphas, g, B), default=0)
         return 0
 
     def could_pay(self, B: int, g: int) -> bool:
@@ -191,8 +196,9 @@ class SpecPolicy:
             return [0]
         return list(range(self.gamma + 1)) if self.name == "cost" else [0, self.gamma]
 
-    def tokens_per_s(self, alphas: list[list[float]], g: int) -> float:
-        return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(len(alphas), g)
+    def tokens_per_s(self, alphas: list[list[float]], g: int, B: int) -> float:
+        """Expected tokens per second of a step of B slots whose drafting rows have these rates."""
+        return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(B, g)
 
     def predicted_step_s(self, B: int, g: int) -> float:
         return self.costs.forward_s(B, self.widths.get(g, g) + 1) + (B * self.draft_s_per_row if g else 0.0)
@@ -202,7 +208,8 @@ class SpecPolicy:
         return self.steps.seconds(B, g, self.predicted_step_s)
 
     def observe_step_time(self, B: int, g: int, seconds: float) -> None:
-        """The wall time of a step of B rows that drafted g tokens each (cost only: it needs predictions)."""
+        """The wall time of a step of B slots (as `choose`'s) that drafted g tokens each (cost only: it
+        needs predictions)."""
         if self.costs is None:
             return
         self.steps.observe(B, g, seconds, self.predicted_step_s)

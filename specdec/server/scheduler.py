@@ -37,6 +37,7 @@ all its requests' events of the step, not once per request and token).
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -131,46 +132,50 @@ class Detokenized:
 
 
 class Codec:
-    """The tokenizer behind one lock: the event loop encodes while the decode thread decodes."""
+    """The tokenizer, one copy per thread that uses it: the event loop encodes prompts with `encoder`, the
+    decode thread decodes outputs with `decoder`. A Hugging Face tokenizer may not be used by two threads
+    at once (encoding sets its truncation state: "Already borrowed"), and with one lock between the two
+    threads the event loop, and every stream it serves, waited for the decode thread's detokenizing.
+    Each copy keeps a lock of its own, uncontended unless a caller uses it from another thread."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.lock = threading.Lock()
+        self.encoder, self.decoder = tokenizer, copy.deepcopy(tokenizer)
+        self.encoding, self.decoding = threading.Lock(), threading.Lock()
 
     def encode_text(self, text: str) -> list[int]:
-        with self.lock:
-            return self.tokenizer(text)["input_ids"]
+        with self.encoding:
+            return self.encoder(text)["input_ids"]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The chat template with a generation prompt; without a template, the contents one per line."""
-        with self.lock:
-            if getattr(self.tokenizer, "chat_template", None):
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        with self.encoding:
+            if getattr(self.encoder, "chat_template", None):
+                text = self.encoder.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return self.encoder(text, add_special_tokens=False)["input_ids"]
+            return self.encoder("\n".join(m["content"] for m in messages))["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        with self.lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self.decoding:
+            return self.decoder.decode(ids, skip_special_tokens=True)
 
     def decode_more(self, state: Detokenized, ids: list[int]) -> str:
         """The text of `ids`, a row's output so far (grown since the last call with `state`), decoding only
         its last few tokens (see Detokenized); it lags behind while the last character is unfinished."""
-        with self.lock:
-            window = self.tokenizer.decode(ids[state.prefix :], skip_special_tokens=True)
+        with self.decoding:
+            window = self.decoder.decode(ids[state.prefix :], skip_special_tokens=True)
             if window.endswith("\ufffd"):
                 return state.text
             if window.startswith(state.prefix_text):
                 state.text += window[len(state.prefix_text) :]
             else:  # the tokenizer rewrote text across the tokens' border: decode it all once
-                state.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                state.text = self.decoder.decode(ids, skip_special_tokens=True)
             state.prefix, state.read = state.read, len(ids)
-            state.prefix_text = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=True)
+            state.prefix_text = self.decoder.decode(ids[state.prefix : state.read], skip_special_tokens=True)
             return state.text
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
+        return self.encoder.eos_token_id
 
 
 @dataclass
@@ -535,11 +540,11 @@ class Scheduler:
             n = self.bucket()
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
-        gamma = self.policy.choose([self.running[s].acceptance for s in drafting]) if drafting else 0
+        gamma = self.policy.choose([self.running[s].acceptance for s in drafting], n) if drafting else 0
         try:
             start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
-            self.launched.append(Launch(n, len(slots), gamma, start))
+            self.launched.append(Launch(n, gamma, start))
             keep = 1 if self.ops.stepper(n).pipelined and not self.waiting and self.ops.prefill is None else 0
             while len(self.launched) > keep:
                 self.read_oldest()
@@ -562,7 +567,7 @@ class Scheduler:
         report = self.ops.read(launch.n)
         now = time.perf_counter()
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
-            self.policy.observe_step_time(launch.rows, report.gamma, now - max(launch.start, self.last_read))
+            self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
             self.absorb_reports([report], launch.gamma)
         self.last_read = now
         self.remove_finished()
@@ -698,7 +703,6 @@ class Scheduler:
 class Launch:
     """A step launched and not read yet."""
     n: int  # its stepper's slots (a bucket)
-    rows: int
     gamma: int  # as asked: the rows' draft budgets (the step reports the gamma it ran, for its time)
     start: float
 
