@@ -55,8 +55,22 @@ class StepSeconds:
         seen = self.seen.setdefault((B, gamma), deque(maxlen=4 * STEP_SAMPLES))
         seen.append(seconds)
         self.median[B, gamma] = statistics.median(seen)
+        self.scale(B, predict)
+
+    def forget(self, B: int, gamma: int, predict: Callable[[int, int], float]) -> None:
+        """Drop a shape's measurements: it is predicted again (scaled by the other shapes of B) until
+        STEP_SAMPLES new steps of it ran."""
+        self.seen.pop((B, gamma), None)
+        self.median.pop((B, gamma), None)
+        self.scale(B, predict)
+
+    def scale(self, B: int, predict: Callable[[int, int], float]) -> None:
+        """How far B's measured shapes exceed their predictions (the median ratio; plain steps' own)."""
         ratios = {g: m / predict(b, g) for (b, g), m in self.median.items() if b == B}
-        self.overhead[B] = statistics.median(ratios.values())
+        self.overhead.pop(B, None)
+        self.plain_overhead.pop(B, None)
+        if ratios:
+            self.overhead[B] = statistics.median(ratios.values())
         if 0 in ratios:
             self.plain_overhead[B] = ratios[0]
 

@@ -753,6 +753,26 @@ def test_cost_policy_decides_from_measured_step_times():
     assert policy.choose(rows) == 0
 
 
+def test_cost_policy_measures_a_shape_again_after_a_slow_start():
+    """Gamma 3's first steps ran slow (a stall), so `cost` settled on gamma 1; a measured shape is only
+    measured again when chosen, so without exploring from gamma 1 it would stay there. Exploring drops
+    gamma 3's old times, runs it again, and the policy returns to it once its real time is measured."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    rows = rows_accepting(3, 1)
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(1, 0, 1.0)
+        policy.observe_step_time(1, 1, 1.1)
+        policy.observe_step_time(1, 2, 5.0)
+        policy.observe_step_time(1, 3, 3.5)  # slow start: 3.5 plain steps for at most 4 tokens
+    chosen = [policy.choose(rows) for _ in range(EXPLORE_EVERY)]
+    assert chosen[:-1] == [1] * (EXPLORE_EVERY - 1) and chosen[-1] == 3  # explored: the best other gamma
+    assert policy.steps.measured(1, 3) is None  # its old times are gone: predicted until measured again
+    for _ in range(STEP_SAMPLES):
+        assert policy.choose(rows) == 3
+        policy.observe_step_time(1, 3, 1.2)  # what a step of gamma 3 really costs
+    assert policy.steps.measured(1, 3) == pytest.approx(1.2) and policy.choose(rows) == 3
+
+
 def test_cost_policy_prices_a_step_by_the_slots_it_computes():
     """One row left in a bucket of 32 slots: the captured step still computes 32 rows, compute-bound in
     linear_costs, so drafting does not pay there though it would for a lone row in a bucket of 1; the

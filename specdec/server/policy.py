@@ -22,13 +22,15 @@ becomes compute-bound and every rejected draft token is work taken from other re
   speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
   so E_b reflects what the drafter really delivers.
 
-  It explores: after EXPLORE_EVERY steps in a row at gamma 0, one step drafts at the best gamma > 0,
-  so estimates that a slow first step (graph capture) or a cold start made too pessimistic are
-  measured again instead of locking the server at gamma 0. Each exploration that leaves the choice at
-  0 doubles the wait before the next (up to EXPLORE_MOST steps), so where drafting never pays (a full
-  batch on a CPU) exploring costs next to nothing; choosing gamma > 0 on its own resets the wait. It
-  never explores a shape whose verify forward or measured steps cost g + 1 plain ones or more
-  (`could_pay`): not even perfect acceptance would pay there.
+  It explores: after EXPLORE_EVERY steps in a row at one gamma, one step runs at the best other gamma,
+  whose measurements are dropped first (it is predicted again until STEP_SAMPLES new steps of it ran),
+  so estimates that a slow first step (graph capture), a cold start or a passing stall made too
+  pessimistic are measured again instead of locking the server at gamma 0, or at a gamma below the
+  best (a measured shape is otherwise only measured again when chosen). Each exploration that leaves
+  the choice where it was doubles the wait before the next (up to EXPLORE_MOST steps), so where
+  drafting never pays (a full batch on a CPU) exploring costs next to nothing; a change of choice on
+  its own resets the wait. It never explores a drafting shape whose verify forward or measured steps
+  cost g + 1 plain ones or more (`could_pay`): not even perfect acceptance would pay there.
 """
 
 from __future__ import annotations
@@ -146,8 +148,9 @@ class SpecPolicy:
     draft_s_per_row: float = 0.0  # running mean of drafter seconds per row-step
     draft_samples: int = 0
     steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
-    idle_steps: int = 0  # consecutive `cost` choices of gamma 0
-    explore_after: int = EXPLORE_EVERY  # idle steps before the next exploration
+    chosen: int = 0  # `cost`'s last choice (explorations aside)
+    same_steps: int = 0  # consecutive `cost` choices of it
+    explore_after: int = EXPLORE_EVERY  # such steps before the next exploration
 
     def __post_init__(self) -> None:
         check_policy(self.name, self.gamma, self.threshold)
@@ -170,15 +173,19 @@ class SpecPolicy:
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
         B = slots or len(rows)
         best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
-        if best > 0:
-            self.idle_steps, self.explore_after = 0, EXPLORE_EVERY
+        if best != self.chosen:
+            self.chosen, self.same_steps, self.explore_after = best, 1, EXPLORE_EVERY
             return best
-        self.idle_steps += 1
-        if self.idle_steps >= self.explore_after:
-            self.idle_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MOST)
-            worth = [g for g in range(1, self.gamma + 1) if self.could_pay(B, g)]
-            return max(worth, key=lambda g: self.tokens_per_s(alphas, g, B), default=0)
-        return 0
+        self.same_steps += 1
+        if self.same_steps < self.explore_after:
+            return best
+        self.same_steps, self.explore_after = 0, min(2 * self.explore_after, EXPLORE_MOST)
+        others = [g for g in range(self.gamma + 1) if g != best and (g == 0 or self.could_pay(B, g))]
+        if not others:
+            return best
+        explored = max(others, key=lambda g: self.tokens_per_s(alphas, g, B))
+        self.steps.forget(B, explored, self.predicted_step_s)
+        return explored
 
     def could_pay(self, B: int, g: int) -> bool:
         """Whether a step of B rows drafting g could beat a plain one were every draft accepted: not if its
