@@ -37,6 +37,7 @@ def test_bench_serve_measures_every_level(model, tmp_path):
     assert all(lv.ok == lv.requests == 3 and lv.completion_tokens == 24 and lv.tokens_per_s > 0 for lv in levels)
     assert all(lv.ttft_p50_ms is not None and lv.memory[-1].rss_mib > 0 for lv in levels)
     assert all(lv.rows_freed and lv.disconnected == lv.server_cancelled == 0 for lv in levels)
+    assert all(lv.client_processes == 1 for lv in levels)  # 2 streams: one process (and one for a CPU server)
     assert levels[0].acceptance_rate is None and levels[2].acceptance_rate is not None  # off never drafts, on does
     files = write_report(tmp_path, {**report_config(plan), "model": health["model"]}, HARDWARE, levels)
     assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}

@@ -10,9 +10,9 @@ every set), so the batch holds rows that sample differently. With --disconnect-f
 floor(n x F) of a level's n requests, evenly spread, close their stream after DISCONNECT_AFTER_CHUNKS
 chunks. Before each level, one untimed wave of c requests (none disconnecting) lets the server capture
 the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. A level's streams
-are shared by client processes (client_processes: one per STREAMS_PER_PROCESS streams, at most one per
-CPU; one Python process parses about 10k chunks/s, so a single one would time itself at dozens of streams
-on a GPU server); they connect before the level's clock starts and take the level's requests from one
+are shared by client processes (client_processes: for a GPU server one per STREAMS_PER_PROCESS streams,
+at most one per CPU; one Python process parses about 10k chunks/s, so a single one would time itself at
+dozens of streams; for a CPU server one, which leaves it the CPUs it shares on loopback); they connect before the level's clock starts and take the level's requests from one
 shared counter. Measured on the client:
 - throughput: completion tokens of the level's completed requests / its wall seconds (the tokens a
   disconnected request received are not counted);
@@ -382,7 +382,7 @@ STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives
 def client_processes(concurrency: int, asked: int | None) -> int:
     """Processes that share a level's streams: one Python process parses about 10k chunks/s, which
     bounds what it can measure (a fast server at dozens of streams sends more); at most the CPUs this
-    process may run on. `asked` (--client-processes) overrides."""
+    process may run on. `asked` (--client-processes; run_load asks 1 of a server on the CPU) overrides."""
     if asked:
         return max(1, min(asked, concurrency))
     return max(1, min(-(-concurrency // STREAMS_PER_PROCESS), len(os.sched_getaffinity(0))))
@@ -572,6 +572,8 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> t
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     model, health = server_info(url, headers)
+    if plan.client_processes is None and not str(health.get("device", "")).startswith("cuda"):
+        plan = replace(plan, client_processes=1)  # a CPU server sends far less than one process parses, on CPUs it shares
     total = len(plan.policies) * sum(plan.requests_at(c) for c in plan.concurrency)
     levels = []
     with tqdm(total=total, unit="req", desc="bench-serve") as progress:

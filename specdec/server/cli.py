@@ -66,8 +66,9 @@ def add_server_commands(sub) -> None:
                    help="server: most prompt tokens read between two decode steps (default: the server's)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--client-processes", type=int, default=None,
-                   help="processes sharing each level's streams (default: one per 8 streams, at most one per CPU this "
-                        "command may use): one Python process parses about 10k chunks/s, less than a fast server sends")
+                   help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
+                        "per CPU this command may use; for a CPU server one): one Python process parses about 10k "
+                        "chunks/s, less than a fast GPU server sends")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
