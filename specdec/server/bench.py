@@ -150,6 +150,8 @@ class LevelResult:
     running_after: int  # requests running on the server after the level's drain (0: every row freed)
     waiting_after: int
     server_cancelled: int  # requests the server counted as cancelled during the level
+    server_ttft_mean_ms: float | None = None  # the server's own TTFT (queued to first token handed over), mean
+    steps_by_gamma: dict[int, int] = field(default_factory=dict)  # the server's decode steps over the level, by gamma
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
     gpu_allocated_growth_mib: float | None = None
@@ -491,11 +493,32 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         acceptance_rate=sum(r.accepted for r in good) / drafted if drafted else None,
         running_after=running, waiting_after=waiting,
         server_cancelled=int(end.get(cancelled, 0) - start.get(cancelled, 0)), memory=memory,
+        server_ttft_mean_ms=server_ttft_mean_ms(start, end), steps_by_gamma=steps_by_gamma(start, end),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
         gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
         sampling=by_set, errors=[f"[{r.sampling}] {r.error}" for r in results if r.outcome == "failed"][:5],
     )
+
+
+def server_ttft_mean_ms(start: dict[str, float], end: dict[str, float]) -> float | None:
+    """The mean of the server's TTFT histogram over a level: a request's time from joining the queue to its
+    first token handed to the event loop (the client's TTFT adds HTTP, tokenizing and the loop's delivery)."""
+    name = "specdec_time_to_first_token_seconds"
+    count = end.get(name + "_count", 0) - start.get(name + "_count", 0)
+    return 1000 * (end.get(name + "_sum", 0) - start.get(name + "_sum", 0)) / count if count > 0 else None
+
+
+def steps_by_gamma(start: dict[str, float], end: dict[str, float]) -> dict[int, int]:
+    """The server's decode steps over a level by the gamma its policy chose."""
+    prefix = 'specdec_steps_by_gamma_total{gamma="'
+    steps = {int(key[len(prefix):-2]): int(v - start.get(key, 0)) for key, v in end.items() if key.startswith(prefix)}
+    return {g: n for g, n in sorted(steps.items()) if n}
+
+
+def mean_gamma(steps: dict[int, int]) -> float | None:
+    total = sum(steps.values())
+    return sum(g * n for g, n in steps.items()) / total if total else None
 
 
 def prompts_for(task: str, limit: int | None) -> list[str]:
@@ -607,14 +630,16 @@ def format_table(levels: list[LevelResult]) -> str:
     """A markdown table (readable in a terminal too), with each level's throughput against `off` and the
     server's memory growth over the level (last sample - first, MiB)."""
     off = {lv.concurrency: lv.tokens_per_s for lv in levels if lv.policy == "off"}
-    head = ["policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off", "TTFT p50 ms",
-            "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "acceptance", "RSS growth MiB", "GPU alloc growth MiB",
-            "GPU resv growth MiB"]
+    head = ["policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off",
+            "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "mean gamma", "ITL p50 ms", "ITL p99 ms", "acceptance",
+            "RSS growth MiB", "GPU alloc growth MiB", "GPU resv growth MiB"]
     rows = []
     for lv in levels:
         ratio = lv.tokens_per_s / off[lv.concurrency] if off.get(lv.concurrency) else None
-        rows.append([lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok), str(lv.disconnected), str(lv.lost),
+        rows.append([lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok),
+                     str(lv.disconnected), str(lv.lost),
                      fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
+                     fmt(lv.server_ttft_mean_ms), fmt(mean_gamma(lv.steps_by_gamma), 2),
                      fmt(lv.itl_p50_ms, 2), fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3),
                      fmt(lv.rss_growth_mib), fmt(lv.gpu_allocated_growth_mib), fmt(lv.gpu_reserved_growth_mib)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]

@@ -69,6 +69,7 @@ class ServerMetrics:
         self.drafted_per_position: list[int] = []
         self.accepted_per_position: list[int] = []
         self.gamma = 0  # chosen for the last step
+        self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
@@ -99,6 +100,7 @@ class ServerMetrics:
         with self.lock:
             self.steps += 1
             self.gamma = gamma
+            self.steps_by_gamma[gamma] = self.steps_by_gamma.get(gamma, 0) + 1
             self.batch_size.observe(batch_size)
             for d, a in zip(drafted, accepted):
                 self.drafts += d > 0
@@ -153,6 +155,9 @@ class ServerMetrics:
                 *gauge("specdec_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
                        self.tokens_per_s()),
                 *gauge("specdec_spec_gamma", "Draft tokens per row chosen for the last step.", self.gamma),
+                "# HELP specdec_steps_by_gamma_total Decode steps by the draft tokens per row the policy chose.",
+                "# TYPE specdec_steps_by_gamma_total counter",
+                *(f'specdec_steps_by_gamma_total{{gamma="{g}"}} {n}' for g, n in sorted(self.steps_by_gamma.items())),
                 "# HELP specdec_spec_policy_info The speculation policy in force.",
                 "# TYPE specdec_spec_policy_info gauge",
                 f'specdec_spec_policy_info{{policy="{policy}"}} 1',
