@@ -167,4 +167,5 @@ def test_bench_serve_defaults_reach_concurrency_64():
 
     args = build_parser().parse_args(["bench-serve"])
     assert max(args.concurrency) == 64 and args.max_batch is None  # None: the server's batch = the largest concurrency
+    assert args.requests is None and LoadPlan((1, 64), ("off",), None, 8, (), 2).requests_at(1) == 32  # max(32, 8c)
     assert args.temperature is None and not args.sampling_mix and args.disconnect_fraction == 0.0

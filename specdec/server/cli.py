@@ -53,7 +53,7 @@ def add_server_commands(sub) -> None:
     b.add_argument("--limit", type=int, default=100, help="first N prompts of the task set")
     b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32, 64), help="comma-separated client counts")
     b.add_argument("--policies", type=csv(str), default=("off", "on", "batch-threshold", "cost"), help="comma-separated policies")
-    b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(8, 4 x concurrency))")
+    b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(32, 8 x concurrency))")
     b.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     b.add_argument("--temperature", type=float, default=None, help="of every request (default 0: greedy)")
     b.add_argument("--sampling-mix", action="store_true",
