@@ -706,9 +706,11 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
     after EXPLORE_EVERY steps at 0 one step drafts anyway, so the estimates are measured again."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     policy.draft_s_per_row, policy.draft_samples = 100.0, 1
-    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(7 * EXPLORE_EVERY)]
-    # each exploration that changed nothing doubles the wait for the next
-    assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1, 7 * EXPLORE_EVERY - 1]
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(8 * EXPLORE_EVERY)]
+    # an exploration runs STEP_SAMPLES steps; each that changed nothing doubles the wait for the next
+    starts = [EXPLORE_EVERY - 1, EXPLORE_EVERY - 1 + STEP_SAMPLES + 2 * EXPLORE_EVERY - 1]
+    starts.append(starts[-1] + STEP_SAMPLES + 4 * EXPLORE_EVERY - 1)
+    assert [i for i, g in enumerate(chosen) if g] == [i + k for i in starts for k in range(STEP_SAMPLES)]
     assert chosen[EXPLORE_EVERY - 1] == 3  # the best gamma > 0
     policy.draft_s_per_row = 0.0  # drafting pays again: the policy drafts, and the wait starts over
     assert policy.choose(rows_accepting(3, 1)) == 3
@@ -728,8 +730,8 @@ def test_cost_policy_never_explores_a_shape_measured_too_dear_to_pay():
         for g in (2, 3):
             policy.observe_step_time(1, g, g + 1.0)
     assert not policy.could_pay(1, 3) and not policy.could_pay(1, 2) and policy.could_pay(1, 1)  # 1: unmeasured
-    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(EXPLORE_EVERY)]
-    assert [(i, g) for i, g in enumerate(chosen) if g] == [(EXPLORE_EVERY - 1, 1)]
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(EXPLORE_EVERY + STEP_SAMPLES)]
+    assert [(i, g) for i, g in enumerate(chosen) if g] == [(EXPLORE_EVERY - 1 + k, 1) for k in range(STEP_SAMPLES)]
     for _ in range(STEP_SAMPLES):
         policy.observe_step_time(1, 1, 2.5)
     assert [policy.choose(rows_accepting(3, 1)) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
@@ -756,7 +758,8 @@ def test_cost_policy_decides_from_measured_step_times():
 def test_cost_policy_measures_a_shape_again_after_a_slow_start():
     """Gamma 3's first steps ran slow (a stall), so `cost` settled on gamma 1; a measured shape is only
     measured again when chosen, so without exploring from gamma 1 it would stay there. Exploring drops
-    gamma 3's old times, runs it again, and the policy returns to it once its real time is measured."""
+    gamma 3's old times and runs STEP_SAMPLES steps of it, and the policy returns to it once they are
+    measured."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     rows = rows_accepting(3, 1)
     for _ in range(STEP_SAMPLES):
@@ -766,8 +769,9 @@ def test_cost_policy_measures_a_shape_again_after_a_slow_start():
         policy.observe_step_time(1, 3, 3.5)  # slow start: 3.5 plain steps for at most 4 tokens
     chosen = [policy.choose(rows) for _ in range(EXPLORE_EVERY)]
     assert chosen[:-1] == [1] * (EXPLORE_EVERY - 1) and chosen[-1] == 3  # explored: the best other gamma
-    assert policy.steps.measured(1, 3) is None  # its old times are gone: predicted until measured again
-    for _ in range(STEP_SAMPLES):
+    assert policy.steps.measured(1, 3) is None  # its old times are gone: measured afresh by the exploration
+    policy.observe_step_time(1, 3, 1.2)
+    for _ in range(STEP_SAMPLES - 1):
         assert policy.choose(rows) == 3
         policy.observe_step_time(1, 3, 1.2)  # what a step of gamma 3 really costs
     assert policy.steps.measured(1, 3) == pytest.approx(1.2) and policy.choose(rows) == 3

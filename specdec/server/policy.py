@@ -22,11 +22,11 @@ becomes compute-bound and every rejected draft token is work taken from other re
   speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
   so E_b reflects what the drafter really delivers.
 
-  It explores: after EXPLORE_EVERY steps in a row at one gamma, one step runs at the best other gamma,
-  whose measurements are dropped first (it is predicted again until STEP_SAMPLES new steps of it ran),
-  so estimates that a slow first step (graph capture), a cold start or a passing stall made too
-  pessimistic are measured again instead of locking the server at gamma 0, or at a gamma below the
-  best (a measured shape is otherwise only measured again when chosen). Each exploration that leaves
+  It explores: after EXPLORE_EVERY steps in a row at one gamma, STEP_SAMPLES steps run at the best other
+  gamma, whose earlier measurements they replace, so estimates that a prediction, a slow first step
+  (graph capture), a cold start or a passing stall made too pessimistic are measured again instead of
+  locking the server at gamma 0, or at a gamma below the best (a measured shape is otherwise only
+  measured again when chosen, and a predicted one never if its prediction loses). Each exploration that leaves
   the choice where it was doubles the wait before the next (up to EXPLORE_MOST steps), so where
   drafting never pays (a full batch on a CPU) exploring costs next to nothing; a change of choice on
   its own resets the wait. It never explores a drafting shape whose verify forward or measured steps
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.adaptive import StepSeconds, expected_tokens, forward_sizes
+from specdec.adaptive import STEP_SAMPLES, StepSeconds, expected_tokens, forward_sizes
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
@@ -149,6 +149,7 @@ class SpecPolicy:
     draft_samples: int = 0
     steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
     chosen: int = 0  # `cost`'s last choice (explorations aside)
+    probe: list[int] = field(default_factory=list)  # the gammas of an exploration's steps still to run
     same_steps: int = 0  # consecutive `cost` choices of it
     explore_after: int = EXPLORE_EVERY  # such steps before the next exploration
 
@@ -172,6 +173,9 @@ class SpecPolicy:
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
         B = slots or len(rows)
+        if self.probe:  # an exploration's steps: measured afresh
+            self.probe, gamma = self.probe[:-1], self.probe[-1]
+            return gamma
         best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
         if best != self.chosen:
             self.chosen, self.same_steps, self.explore_after = best, 1, EXPLORE_EVERY
@@ -185,6 +189,7 @@ class SpecPolicy:
             return best
         explored = max(others, key=lambda g: self.tokens_per_s(alphas, g, B))
         self.steps.forget(B, explored, self.predicted_step_s)
+        self.probe = [explored] * (STEP_SAMPLES - 1)
         return explored
 
     def could_pay(self, B: int, g: int) -> bool:
