@@ -299,12 +299,11 @@ def sample(probs: Tensor, u: Tensor, block: int | None = None) -> Tensor:
     cumulative mass, so it is never returned.
 
     On CUDA in two levels (`block`: SAMPLE_BLOCK there, the whole vocabulary elsewhere): a block of
-    tokens by the blocks' masses, then a token of that
-    block by its tokens' masses, with what is left of u; in exact arithmetic the same token. Two short
-    scans instead of one over the vocabulary, because torch.compile (inductor) cannot generate its split
-    scan kernel for a cumsum over 49152 tokens when the batch size is dynamic: the server's verification
-    then ran as separate kernels. On the CPU one level: the second level's few operations cost more
-    there than the scan they shorten."""
+    tokens by the blocks' masses, then a token of that block by its tokens' masses, with what is left of
+    u; in exact arithmetic the same token. Two short scans instead of one over the vocabulary, because
+    torch.compile (inductor) cannot generate its split scan kernel for a cumsum over 49152 tokens when
+    the batch size is dynamic: the server's verification then ran as separate kernels. On the CPU one
+    level: the second level's few operations cost more there than the scan they shorten."""
     p = probs.float()
     size = block or (SAMPLE_BLOCK if p.is_cuda else p.shape[-1])
     if size >= p.shape[-1]:

@@ -11,9 +11,10 @@ floor(n x F) of a level's n requests, evenly spread, close their stream after DI
 chunks. Before each level, one untimed wave of c requests (none disconnecting) lets the server capture
 the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. A level's streams
 are shared by client processes (client_processes: for a GPU server one per STREAMS_PER_PROCESS streams,
-at most one per CPU; one Python process parses about 10k chunks/s, so a single one would time itself at
-dozens of streams; for a CPU server one, which leaves it the CPUs it shares on loopback); they connect before the level's clock starts and take the level's requests from one
-shared counter. Measured on the client:
+at most one per CPU, since one Python process parses about 10k chunks/s and a single one would time
+itself at dozens of streams; for a CPU server one, which leaves it the CPUs it shares on loopback). They
+connect before the level's clock starts and take the level's requests from one shared counter. Measured
+on the client:
 - throughput: completion tokens of the level's completed requests / its wall seconds (the tokens a
   disconnected request received are not counted);
 - TTFT: request sent to the first chunk (it comes with the first token); ITL: (last chunk - first) /
@@ -40,8 +41,8 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import queue as queue_module
 import platform
+import queue as queue_module
 import secrets
 import socket
 import subprocess
@@ -72,6 +73,7 @@ MEMORY_EVERY = 250  # requests between server memory samples within a level
 # sweeps of one server in a row gave `on` / `off` 0.97 and 0.74 at 64 clients, 1.13 and 1.32 at 8: far
 # more than the 5 % a cost target asks to resolve.
 LEVEL_REQUESTS = (32, 8)
+STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives (against a GPU server)
 DISCONNECT_AFTER_CHUNKS = 3  # chunks with a choice a disconnecting client reads before closing
 DRAIN_TIMEOUT_S = 30.0  # after a level, for the server's running and waiting requests to reach 0
 COST_VS_OFF_TARGET = 1.0  # issue 13: `cost` >= 1.0x `off` ...
@@ -381,8 +383,6 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
         memory.append(sample_memory(len(results), end))
     return replace(summarize(policy, concurrency, results, wall, memory, start, end), client_processes=procs)
 
-
-STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives
 
 
 def client_processes(concurrency: int, asked: int | None) -> int:

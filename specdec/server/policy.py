@@ -12,8 +12,8 @@ becomes compute-bound and every rejected draft token is work taken from other re
       sum_b E_b(g) / S(B, g),
   where E_b(g) = 1 + sum_{i<=g} prod_{j<=i} alpha_bj is row b's expected emitted tokens (adaptive.py)
   and S(B, g) the seconds of a whole step over B slots (the scheduler's bucket: a captured step
-  computes every slot of it) drafting g tokens each. S is measured: the median
-  of the last steps of that shape, once there are STEP_SAMPLES of them. Until then it is predicted
+  computes every slot of it) drafting g tokens each. S is measured: the median of the last steps of
+  that shape, once there are STEP_SAMPLES of them. Until then it is predicted
   from the forward times measured at start, T(B, w(g) + 1) (interpolated between measured batch sizes
   and k; w(g) the draft tokens a row verifies: g for a chain, a tree's nodes down to depth g), plus
   B * d for g > 0 (d: measured draft seconds per row-step), scaled by how much the
@@ -26,10 +26,10 @@ becomes compute-bound and every rejected draft token is work taken from other re
   gamma, whose earlier measurements they replace, so estimates that a prediction, a slow first step
   (graph capture), a cold start or a passing stall made too pessimistic are measured again instead of
   locking the server at gamma 0, or at a gamma below the best (a measured shape is otherwise only
-  measured again when chosen, and a predicted one never if its prediction loses). Each exploration that leaves
-  the choice where it was doubles the wait before the next (up to EXPLORE_MOST steps), so where
-  drafting never pays (a full batch on a CPU) exploring costs next to nothing; a change of choice on
-  its own resets the wait. It never explores a drafting shape whose verify forward or measured steps
+  measured again when chosen, and a predicted one never if its prediction loses). Each exploration
+  that leaves the choice where it was doubles the wait before the next (up to EXPLORE_MOST steps), so
+  where drafting never pays (a full batch on a CPU) exploring costs next to nothing; a change of
+  choice on its own resets the wait. It never explores a drafting shape whose verify forward or measured steps
   cost g + 1 plain ones or more (`could_pay`): not even perfect acceptance would pay there.
 """
 
@@ -149,7 +149,8 @@ class SpecPolicy:
     draft_samples: int = 0
     steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
     chosen: int = 0  # `cost`'s last choice (explorations aside)
-    probe: list[int] = field(default_factory=list)  # the gammas of an exploration's steps still to run
+    probe_gamma: int = 0  # an exploration's gamma
+    probe_left: int = 0  # its steps still to run
     same_steps: int = 0  # consecutive `cost` choices of it
     explore_after: int = EXPLORE_EVERY  # such steps before the next exploration
 
@@ -173,9 +174,9 @@ class SpecPolicy:
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
         B = slots or len(rows)
-        if self.probe:  # an exploration's steps: measured afresh
-            self.probe, gamma = self.probe[:-1], self.probe[-1]
-            return gamma
+        if self.probe_left:  # an exploration's steps: measured afresh
+            self.probe_left -= 1
+            return self.probe_gamma
         best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
         if best != self.chosen:
             self.chosen, self.same_steps, self.explore_after = best, 1, EXPLORE_EVERY
@@ -189,7 +190,7 @@ class SpecPolicy:
             return best
         explored = max(others, key=lambda g: self.tokens_per_s(alphas, g, B))
         self.steps.forget(B, explored, self.predicted_step_s)
-        self.probe = [explored] * (STEP_SAMPLES - 1)
+        self.probe_gamma, self.probe_left = explored, STEP_SAMPLES - 1
         return explored
 
     def could_pay(self, B: int, g: int) -> bool:
