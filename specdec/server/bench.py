@@ -158,6 +158,7 @@ class LevelResult:
     server_cancelled: int  # requests the server counted as cancelled during the level
     server_ttft_mean_ms: float | None = None  # the server's own TTFT (queued to first token handed over), mean
     steps_by_gamma: dict[int, int] = field(default_factory=dict)  # the server's decode steps over the level, by gamma
+    prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
     gpu_allocated_growth_mib: float | None = None
@@ -498,6 +499,7 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         running_after=running, waiting_after=waiting,
         server_cancelled=int(end.get(cancelled, 0) - start.get(cancelled, 0)), memory=memory,
         server_ttft_mean_ms=server_ttft_mean_ms(start, end), steps_by_gamma=steps_by_gamma(start, end),
+        prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
         gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
@@ -515,9 +517,14 @@ def server_ttft_mean_ms(start: dict[str, float], end: dict[str, float]) -> float
 
 def steps_by_gamma(start: dict[str, float], end: dict[str, float]) -> dict[int, int]:
     """The server's decode steps over a level by the gamma its policy chose."""
-    prefix = 'specdec_steps_by_gamma_total{gamma="'
-    steps = {int(key[len(prefix):-2]): int(v - start.get(key, 0)) for key, v in end.items() if key.startswith(prefix)}
-    return {g: n for g, n in sorted(steps.items()) if n}
+    steps = counter_deltas(start, end, "specdec_steps_by_gamma_total", "gamma")
+    return {int(g): n for g, n in sorted(steps.items(), key=lambda item: int(item[0])) if n}
+
+
+def counter_deltas(start: dict[str, float], end: dict[str, float], name: str, label: str) -> dict[str, int]:
+    """A labelled counter's growth over a level, by the label's value."""
+    prefix = f'{name}{{{label}="'
+    return {key[len(prefix):-2]: int(v - start.get(key, 0)) for key, v in end.items() if key.startswith(prefix)}
 
 
 def mean_gamma(steps: dict[int, int]) -> float | None:

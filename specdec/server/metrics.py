@@ -70,6 +70,7 @@ class ServerMetrics:
         self.accepted_per_position: list[int] = []
         self.gamma = 0  # chosen for the last step
         self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
+        self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
@@ -84,6 +85,10 @@ class ServerMetrics:
     def count_prompt(self, tokens: int) -> None:
         with self.lock:
             self.prompt_tokens += tokens
+
+    def count_prefill(self, graphed: bool) -> None:
+        with self.lock:
+            self.prefill_forwards["graph" if graphed else "eager"] += 1
 
     def observe_tokens(self, n: int, gap_s: float | None, first: bool, arrival_gap_s: float) -> None:
         """n tokens handed to one request; gap_s since its previous tokens (None for the first)."""
@@ -158,6 +163,9 @@ class ServerMetrics:
                 "# HELP specdec_steps_by_gamma_total Decode steps by the draft tokens per row the policy chose.",
                 "# TYPE specdec_steps_by_gamma_total counter",
                 *(f'specdec_steps_by_gamma_total{{gamma="{g}"}} {n}' for g, n in sorted(self.steps_by_gamma.items())),
+                "# HELP specdec_prefill_forwards_total Prefill chunks read, by a captured graph or eagerly.",
+                "# TYPE specdec_prefill_forwards_total counter",
+                *(f'specdec_prefill_forwards_total{{kind="{k}"}} {n}' for k, n in self.prefill_forwards.items()),
                 "# HELP specdec_spec_policy_info The speculation policy in force.",
                 "# TYPE specdec_spec_policy_info gauge",
                 f'specdec_spec_policy_info{{policy="{policy}"}} 1',

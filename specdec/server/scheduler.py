@@ -501,6 +501,7 @@ class Scheduler:
     def read_chunk(self) -> None:
         """Read one chunk of the group's prompts; the rows whose prompt it ends start running."""
         try:
+            self.metrics.count_prefill(self.ops.prefill.graph is not None)
             rows = self.ops.prefill_chunk()
         except Exception as e:
             if self.device_lost():
