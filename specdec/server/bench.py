@@ -392,7 +392,12 @@ def client_processes(concurrency: int, asked: int | None) -> int:
     process may run on. `asked` (--client-processes; run_load asks 1 of a server on the CPU) overrides."""
     if asked:
         return max(1, min(asked, concurrency))
-    return max(1, min(-(-concurrency // STREAMS_PER_PROCESS), len(os.sched_getaffinity(0))))
+    return max(1, min(-(-concurrency // STREAMS_PER_PROCESS), usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one: Linux; else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def http_client(url: str, headers: dict, concurrency: int) -> httpx.AsyncClient:
