@@ -182,7 +182,7 @@ def attention_invariant(c: ModelConfig, device: torch.device) -> dict[str, bool]
                 depth[i] = depth[parents[i]] + 1
             mask, positions = seen.expand(B, T, T).to(device), lengths[:, None] + depth.to(device)
         q = torch.randn(B * T, c.num_heads * c.head_dim, device=device, generator=gen).to(DTYPE)
-        visible = None if mask is None else o.visible_order(mask, B, T, device)
+        visible = None if mask is None else o.visible_order(mask)
         out = o.attention(q, k_cache, v_cache, lengths, T, visible, positions)
         ok = all(torch.equal(out, o.attention(q, k_cache, v_cache, lengths, T, visible, positions, programs=p)) for p in (1, 3))
         for b in range(B):

@@ -300,7 +300,7 @@ def test_attention_tokens_are_invariant_and_right(kind, B, dtype, config):
         lengths, positions = lengths.to(DEVICE), positions.to(DEVICE)
         mask = None if mask is None else mask.to(DEVICE)
         q = randn(B * T, HEADS * Dh, dtype=dtype, seed=13 + T)
-        visible = None if mask is None else ops_.visible_order(mask, B, T, DEVICE)
+        visible = None if mask is None else ops_.visible_order(mask)
         out = ops_.attention(q, k_cache, v_cache, lengths, T, visible, positions, window, config=cfg)
         ref = reference_attention(q, k_cache, v_cache, lengths, T, mask, positions, window)
         assert relative_error(out, ref) < TOLERANCE[dtype], f"T={T}"

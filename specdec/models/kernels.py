@@ -257,7 +257,7 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
 
     B, T, D = x.shape
     positions = positions.expand(B, T).contiguous()  # [B, T]: the kernels read one position per token (an EAGLE level passes [B, 1])
-    visible = None if mask is None else ops.visible_order(mask, B, T, x.device)  # what each tree node sees, shared by the layers
+    visible = None if mask is None else ops.visible_order(mask)  # what each tree node sees, shared by the layers
     h = x.reshape(B * T, D).contiguous()  # [M, D]
     norm_weight, eps = norm_args(layers[0].input_layernorm)
     h_in = h if norm_weight is None else ops.prenorm(h, norm_weight, eps)  # the first layer's q/k/v input

@@ -65,6 +65,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from specdec.models import fused
+
 BLOCK_T = 16  # tokens per GEMM tile (the MMA's N), for every M
 BLOCK_Q = 16  # query heads (of one token, sharing one KV head) per attention tile
 C_BLOCK = 16  # attention partials combined per step
@@ -825,16 +827,21 @@ def qkv_rope_write(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None,
     return q
 
 
-def visible_order(tree_mask: Tensor, B: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def visible_order(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
     """What each new token sees among the last W slots, as attention_kernel reads it: order [B, T, W]
     int32 (window offsets of the visible slots first, in slot order) and count [B, T] int32 (how many).
-    tree_mask [B, T, W] bool (a causal block needs no tables: attention(visible=None))."""
-    W = tree_mask.shape[-1]
+    tree_mask [B, T, W] bool (a causal block needs no tables: attention(visible=None)). In a captured
+    forward (a tree verify, an EAGLE level) its dozen small operations run as one compiled kernel."""
+    return fused.run(order_visible, tree_mask)
+
+
+def order_visible(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+    B, T, W = tree_mask.shape
     seen = tree_mask.long()  # [B, T, W]
     count = seen.sum(-1, keepdim=True)  # [B, T, 1]
     rank = torch.where(tree_mask, seen.cumsum(-1) - 1, count + (1 - seen).cumsum(-1) - 1)  # seen first, then the rest
-    offsets = torch.arange(W, dtype=torch.int32, device=device).expand(B, T, W)
-    order = torch.empty(B, T, W, dtype=torch.int32, device=device).scatter_(-1, rank, offsets)
+    offsets = torch.arange(W, dtype=torch.int32, device=tree_mask.device).expand(B, T, W)
+    order = torch.empty(B, T, W, dtype=torch.int32, device=tree_mask.device).scatter_(-1, rank, offsets)
     return order, count[..., 0].to(torch.int32)
 
 
