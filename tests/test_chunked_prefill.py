@@ -15,7 +15,8 @@ from specdec import SamplingParams
 from specdec.batch import Request, Row, eos_ids
 from specdec.drafters import build_drafter
 from specdec.server.policy import SpecPolicy
-from specdec.server.scheduler import Codec, Event, GenerationRequest, Scheduler, SchedulerConfig
+from specdec.graphs import PrefillGraphs
+from specdec.server.scheduler import BatchOps, Codec, Event, GenerationRequest, Scheduler, SchedulerConfig
 from specdec.step import Stepper, new_stepper
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_exact_decoding import flat, make  # noqa: F401  (fixture)
@@ -168,6 +169,22 @@ def test_the_server_steps_between_the_chunks_of_a_long_prompt(model, monkeypatch
     assert texts == [reference_text(model, SHORT, 60), reference_text(model, LONG, 8)]
     assert scheduler.metrics.prompt_tokens == len(short) + len(long)  # counted once each, not per chunk
 
+
+
+def test_a_burst_is_read_in_groups_that_one_prefill_graph_holds(models):  # noqa: F811
+    """Where prefills are graphed, a group is the most waiting prompts (in queue order) that one captured
+    forward reads whole: a burst is read in a few replays, not in eager chunks; else one group of all."""
+    target, _, _ = models
+    ops = BatchOps(target, build_drafter("none", target), 8, 128, None)
+    assert ops.group_size([20] * 6, chunk=512) == 6  # no prefill graphs (a CPU): one group
+    graphs = PrefillGraphs.__new__(PrefillGraphs)  # only its shape rule: rows and positions padded to powers of two
+    graphs.max_tokens = 64
+    ops.full.prefill_graphs = graphs
+    assert ops.group_size([20, 20, 20, 20], chunk=512) == 2  # 2 rows x 32 positions fill the 64 tokens
+    assert ops.group_size([10, 30, 12], chunk=512) == 2  # the second prompt widens the shape to 2 x 32
+    assert ops.group_size([100, 5], chunk=512) == 1  # too long for any graph: read alone, in chunks
+    assert ops.group_size([16, 16, 16], chunk=40) == 2  # and within the chunk: 3 x 16 > 40
+    assert ops.group_size([8], chunk=512) == 1
 
 
 def test_serve_refuses_a_prefill_chunk_below_one(capsys):
