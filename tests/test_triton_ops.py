@@ -204,6 +204,24 @@ def test_gemm_rows_are_invariant_and_right(kind, K, dtype, config):
 
 
 @needs_triton
+@pytest.mark.parametrize("width", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", GEMM_KINDS)
+def test_gemm_token_tiles_change_no_bits(kind, dtype, width, monkeypatch):
+    """Rows computed in wide token tiles (token_tile) get the bits they get alone, in 16-token tiles: the
+    epilogue's sums (a fused norm's rstd, the next norm's partial sums, q/k norms) must not follow the
+    tile's layout."""
+    M = 100
+    run, _ = gemm_case(kind, dtype, K_EVEN, M, gemm_configs()["split3"])
+    alone = [run(slice(m, m + 1)) for m in range(M)]
+    monkeypatch.setattr(ops(), "token_tile", lambda rows: width)
+    for rows in (3, 24, M):
+        for i, out in enumerate(run(slice(0, rows))):
+            single = torch.cat([a[i] for a in alone[:rows]], dim=-2)
+            assert torch.equal(out, single), f"{kind}: output {i} of {rows} rows in {width}-token tiles differs"
+
+
+@needs_triton
 def test_split_k_counters_are_left_at_zero():
     """Every split-K and split-KV launch leaves the arrival counters it used at zero (the next launch
     and every CUDA graph replay count from zero)."""

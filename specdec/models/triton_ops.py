@@ -7,13 +7,14 @@ a bf16 verify forward rounds differently from a decode forward. Here every reduc
 fixed by the weight's shape (or the token's own visible sequence) alone:
 
 - GEMM ("swap AB"): a program computes out^T = W[rows] @ x^T for BLOCK_N weight rows and a tile of
-  BLOCK_T = 16 tokens, for every M: the weight tile is the MMA's A operand (64 rows: one Hopper wgmma,
-  read straight from shared memory) and the tokens are its N dimension, so a token's result does not
-  depend on the other tokens of the tile (tensor cores compute each output element on its own). K is
+  16, 32 or 64 tokens (token_tile: wider for many rows): the weight tile is the MMA's A operand
+  (64 rows: one Hopper wgmma, read straight from shared memory) and the tokens are its N dimension, so a
+  token's result depends neither on the other tokens of the tile nor on the tile's width (tensor cores
+  compute each output element on its own; the epilogue's sums run per token). K is
   walked in BLOCK_K steps in order. Where the weight has too few row tiles to fill the GPU (and a
   program would stream more than SPLIT_MIN_BYTES of it), K is split into SPLIT fixed ranges (a function of the weight's shape, never of M); each range's fp32 partial is
-  written out and the last program to arrive adds them in split order (a deterministic split-K). Tile
-  sizes and SPLIT depend on (kind, N, K, dtype), never on M; M is never specialised.
+  written out and the last program to arrive adds them in split order (a deterministic split-K). Weight
+  tile sizes and SPLIT depend on (kind, N, K, dtype), never on M; M is never specialised.
 - Attention: split-KV over fixed chunks. A token's visible sequence (the committed prefix, then its
   visible nodes of the block or tree in slot order) is cut at absolute multiples of CHUNK keys; each
   chunk is reduced in BLOCK_S blocks with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
@@ -67,7 +68,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specdec.models import fused
 
-BLOCK_T = 16  # tokens per GEMM tile (the MMA's N), for every M
+BLOCK_T = 16  # tokens per GEMM tile (the MMA's N); many rows take wider tiles (token_tile)
+TILE_32_FROM, TILE_64_FROM = 192, 1536  # rows M from which token_tile takes 32- and 64-token tiles (measured: token_tile)
 BLOCK_Q = 16  # query heads (of one token, sharing one KV head) per attention tile
 C_BLOCK = 16  # attention partials combined per step
 NORM_PART = 64  # columns per partial sum of squares of a fused RMSNorm's input rows (NormedRows)
@@ -281,21 +283,34 @@ def load_row_squares(sq_ptr, offs_t, M, K, NORM_PART: tl.constexpr, NORM_PARTS: 
 
 
 @triton.jit
-def norm_rows(acc, sq, K, eps, HAS_NORM: tl.constexpr):
+def group_sums(x, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """[16, COLS]: row g is the sum of x's rows g*GROUP .. (g+1)*GROUP - 1 (x [ROWS, COLS] fp32; rows past
+    ROWS // GROUP are 0), added in row order in every column whatever the tile's width. An fp32 `ieee` dot
+    runs on FMA units, each output element accumulating over k in order (ones and zeros: exact products);
+    a tl.sum's order follows the tensor's layout, which follows its shape, so the token tile's width
+    (token_tile) would change a token's bits."""
+    select = tl.where(tl.arange(0, ROWS)[None, :] // GROUP == tl.arange(0, 16)[:, None], 1.0, 0.0)  # [16, ROWS]
+    return tl.dot(select, x, input_precision="ieee")
+
+
+@triton.jit
+def norm_rows(acc, sq, K, eps, HAS_NORM: tl.constexpr, NORM_PARTS: tl.constexpr):
     """acc [BLOCK_N, BLOCK_T] fp32 scaled by each token's RMSNorm rstd when the norm is fused: its
-    partial sums of squares sq [BLOCK_T, NORM_PARTS] added in one fixed order (a tree over the parts)."""
+    partial sums of squares sq [BLOCK_T, NORM_PARTS] added in part order (group_sums; its other rows
+    are zeros, which add exactly)."""
     if HAS_NORM:
-        acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
+        total = tl.sum(group_sums(tl.trans(sq), NORM_PARTS, NORM_PARTS), axis=0)  # [BLOCK_T]
+        acc = acc * tl.rsqrt(total / K + eps)[None, :]
     return acc
 
 
 @triton.jit
 def store_plain(acc, sq, bias, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, M, N, K, eps, pid_n,
                 HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EMIT_NORM: tl.constexpr,
-                NORM_PART: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+                NORM_PART: tl.constexpr, NORM_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """y = acc (+ bias) (+ residual); EMIT_NORM: also the next RMSNorm's input as NormedRows: yn = y ⊙ nw
-    (rounded) and each token's sum of y² over every NORM_PART columns (the tile's rows)."""
-    acc = norm_rows(acc, sq, K, eps, HAS_NORM)
+    (rounded) and each token's sum of y² over every NORM_PART columns (the tile's rows, in order)."""
+    acc = norm_rows(acc, sq, K, eps, HAS_NORM, NORM_PARTS)
     if HAS_BIAS:
         acc += bias.to(tl.float32)[:, None]
     mask = (offs_n < N)[:, None] & (offs_t < M)[None, :]
@@ -310,18 +325,19 @@ def store_plain(acc, sq, bias, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, 
         tl.store(yn_ptr + offsets, (h * nw.to(tl.float32)[:, None]).to(dtype), mask=mask)
         G: tl.constexpr = BLOCK_N // NORM_PART
         squares = tl.where(mask, h * h, 0.0)
-        part_sq = tl.sum(tl.reshape(squares, [G, NORM_PART, BLOCK_T]), axis=1)  # [G, BLOCK_T]
+        part_sq = group_sums(squares, NORM_PART, BLOCK_N)  # [16, BLOCK_T], rows G.. zero
         n_parts = tl.cdiv(N, NORM_PART)
-        part = pid_n * G + tl.arange(0, G)
+        g = tl.arange(0, 16)
+        part = pid_n * G + g
         tl.store(ysq_ptr + offs_t[None, :].to(tl.int64) * n_parts + part[:, None], part_sq,
-                 mask=(part < n_parts)[:, None] & (offs_t < M)[None, :])
+                 mask=((g < G) & (part < n_parts))[:, None] & (offs_t < M)[None, :])
 
 
 @triton.jit
 def store_silu(gate, up, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, I, K, eps,
-               HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    gate = norm_rows(gate, sq, K, eps, HAS_NORM)
-    up = norm_rows(up, sq, K, eps, HAS_NORM)
+               HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_PARTS: tl.constexpr):
+    gate = norm_rows(gate, sq, K, eps, HAS_NORM, NORM_PARTS)
+    up = norm_rows(up, sq, K, eps, HAS_NORM, NORM_PARTS)
     if HAS_BIAS:
         gate += bias_a.to(tl.float32)[:, None]
         up += bias_b.to(tl.float32)[:, None]
@@ -331,12 +347,12 @@ def store_silu(gate, up, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, I, K, eps
 
 
 @triton.jit
-def head_rms(y, rstd_eps, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Per-head rstd of rows grouped by HALF (a head's first-half rows; y holds first² + second²)."""
-    G: tl.constexpr = BLOCK_N // HALF
-    ss = tl.sum(tl.reshape(y, [G, HALF, BLOCK_T]), axis=1)  # [G, BLOCK_T]
-    rstd = tl.rsqrt(ss / (2 * HALF) + rstd_eps)
-    return tl.reshape(tl.broadcast_to(rstd[:, None, :], [G, HALF, BLOCK_T]), [BLOCK_N, BLOCK_T])
+def head_rms(y, rstd_eps, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-head rstd of rows grouped by HALF (a head's first-half rows; y holds first² + second²), summed in
+    row order (group_sums) and spread back over the head's rows by a dot with one 1 per row (exact)."""
+    rstd = tl.rsqrt(group_sums(y, HALF, BLOCK_N) / (2 * HALF) + rstd_eps)  # [16, BLOCK_T]
+    spread = tl.where(tl.arange(0, BLOCK_N)[:, None] // HALF == tl.arange(0, 16)[None, :], 1.0, 0.0)  # [BLOCK_N, 16]
+    return tl.dot(spread, rstd, input_precision="ieee")
 
 
 @triton.jit
@@ -344,15 +360,15 @@ def store_qkv(first, second, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w
               q_ptr, k_ptr, v_ptr, M, T, K, eps, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
               HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+              NORM_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """RoPE (rotate-half) on q and k, q stored to q[M, H*Dh], k and v written to the cache at slot
     lengths[b] + t (token m = b*T + t). first/second [BLOCK_N, BLOCK_T]: columns j and j + Dh/2 of head
     `head` for half-columns offs_c. pos [BLOCK_T] (float), inv_freq [BLOCK_N], slot [BLOCK_T], biases and
     q/k norm weights [BLOCK_N]: loaded before the main loop."""
     HALF: tl.constexpr = HEAD_DIM // 2
     HALVES: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
-    first = norm_rows(first, sq, K, eps, HAS_NORM)
-    second = norm_rows(second, sq, K, eps, HAS_NORM)
+    first = norm_rows(first, sq, K, eps, HAS_NORM, NORM_PARTS)
+    second = norm_rows(second, sq, K, eps, HAS_NORM, NORM_PARTS)
     if HAS_BIAS:
         first += bias_a.to(tl.float32)[:, None]
         second += bias_b.to(tl.float32)[:, None]
@@ -363,7 +379,7 @@ def store_qkv(first, second, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w
     if QK_NORM:  # Qwen3: RMSNorm over each q and k head of the rounded projection, as the library path
         first = first.to(dtype).to(tl.float32)
         second = second.to(dtype).to(tl.float32)
-        rstd = head_rms(first * first + second * second, qk_eps, HALF, BLOCK_N, BLOCK_T)
+        rstd = head_rms(first * first + second * second, qk_eps, HALF, BLOCK_N)
         n_first = ((first * rstd).to(dtype).to(tl.float32) * w_first.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
         n_second = ((second * rstd).to(dtype).to(tl.float32) * w_second.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
         first = tl.where(rotated, n_first, first)
@@ -472,13 +488,13 @@ def gemm_kernel(
     if last:
         if EPILOGUE == 0:
             store_plain(acc_a, sq, bias_a, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, M, N, K, eps, pid_n,
-                        HAS_NORM, HAS_BIAS, HAS_RESIDUAL, EMIT_NORM, NORM_PART, BLOCK_N, BLOCK_T)
+                        HAS_NORM, HAS_BIAS, HAS_RESIDUAL, EMIT_NORM, NORM_PART, NORM_PARTS, BLOCK_N, BLOCK_T)
         elif EPILOGUE == 1:
-            store_silu(acc_a, acc_b, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, N, K, eps, HAS_NORM, HAS_BIAS)
+            store_silu(acc_a, acc_b, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, N, K, eps, HAS_NORM, HAS_BIAS, NORM_PARTS)
         else:
             store_qkv(acc_a, acc_b, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w_second, offs_n, head, j, rows_a,
                       offs_t, y_ptr, k_ptr, v_ptr, M, T, K, eps, qk_eps, rope_factor, stride_cb, stride_ch, stride_cs,
-                      NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, HAS_BIAS, QK_NORM, BLOCK_N, BLOCK_T)
+                      NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HAS_NORM, HAS_BIAS, QK_NORM, NORM_PARTS, BLOCK_N, BLOCK_T)
 
 
 @triton.jit
@@ -704,17 +720,43 @@ class NormedRows:
     eps: float
 
 
+def token_tile(M: int) -> int:
+    """Tokens per GEMM tile for M rows: 16, or 32 / 64 from TILE_32_FROM / TILE_64_FROM rows. A weight tile is
+    streamed once per token tile, so wide tiles cut the weight traffic of a prefill or a wide batched verify;
+    below the thresholds the narrow tiles' extra programs run faster. Default model, bf16, H200, graphed
+    forwards, ms for 16 / 32 / 64-token tiles (.dev scratch sweep, 20 replays each):
+      1 x 25 (a verify block)   1.01 / 1.18 / 1.78     32 x 5 (160 rows)   1.42 / 1.47 / 2.26
+      8 x 25 (200 rows)         1.81 / 1.75 / 2.37     32 x 25 (800)       4.97 / 4.06 / 4.53
+      64 x 25 (1600)            9.39 / 7.56 / 7.31     16 x 128 (a prefill of 2048 tokens)  7.09 / 4.97 / 4.75
+      64 x 128 (8192)           26.4 / 17.9 / 16.9
+    A token's result does not depend on the tile's width: its dot products walk K in the same BLOCK_K steps,
+    each output element computed on its own, and the epilogue's sums run in a fixed order (group_sums).
+    tests/test_triton_ops.py checks every width against rows alone, bit for bit; the sweep above found the
+    model's logits and hidden states bitwise equal across the three widths at all 19 shapes."""
+    return 64 if M >= TILE_64_FROM else 32 if M >= TILE_32_FROM else BLOCK_T
+
+
+def tile_stages(c: GemmConfig, kind_tiles: int, block_t: int) -> int:
+    """Pipeline stages for a wider token tile: as many as the shared memory the config was sized for holds
+    (at least two)."""
+    if block_t == BLOCK_T:
+        return c.num_stages
+    budget = c.num_stages * (kind_tiles * c.block_n + BLOCK_T) * c.block_k
+    return max(2, min(c.num_stages, budget // ((kind_tiles * c.block_n + block_t) * c.block_k)))
+
+
 def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int, c: GemmConfig, y: Tensor, bias=None,
                 residual=None, qkv: dict | None = None, next_norm: tuple[Tensor | None, float] | None = None) -> NormedRows | None:
     """Launch gemm_kernel over x [M, K] and `rows` weight rows per accumulator (see its docstring); returns
     the next norm's NormedRows of y when next_norm has a weight."""
     x_rows, x_sq, eps = (x.x, x.sq, x.eps) if isinstance(x, NormedRows) else (x, None, 0.0)
     M, K = x_rows.shape
-    grid = (cdiv(M, BLOCK_T), cdiv(rows, c.block_n), c.split_k)
+    block_t = token_tile(M)
+    grid = (cdiv(M, block_t), cdiv(rows, c.block_n), c.split_k)
     ws = cnt = None
     if c.split_k > 1:
         tiles = grid[0] * grid[1]
-        ws = torch.empty(c.split_k * tiles * 2 * c.block_n * BLOCK_T, dtype=torch.float32, device=x_rows.device)
+        ws = torch.empty(c.split_k * tiles * 2 * c.block_n * block_t, dtype=torch.float32, device=x_rows.device)
         cnt = counters(x_rows.device, tiles)
     next_w, next_eps = next_norm if next_norm is not None else (None, 0.0)
     normed = None
@@ -739,9 +781,9 @@ def launch_gemm(epilogue: int, x: Tensor | NormedRows, weight: Tensor, rows: int
         EMIT_NORM=normed is not None, EVEN_K=K % c.block_k == 0, SPLIT=c.split_k,
         NUM_HEADS=q.get("num_heads", 1), NUM_KV_HEADS=q.get("num_kv_heads", 1), HEAD_DIM=q.get("head_dim", 2),
         QK_NORM=q.get("q_norm") is not None,
-        BLOCK_T=BLOCK_T, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM_PART=NORM_PART,
-        NORM_PARTS=next_power_of_2(cdiv(K, NORM_PART)), USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
-        num_warps=c.num_warps, num_stages=c.num_stages, **extra,
+        BLOCK_T=block_t, BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM_PART=NORM_PART,
+        NORM_PARTS=max(16, next_power_of_2(cdiv(K, NORM_PART))), USE_PDL=use_pdl, PREFETCH_K=prefetch_k,
+        num_warps=c.num_warps, num_stages=tile_stages(c, 1 if epilogue == 0 else 2, block_t), **extra,
     )
     return normed
 
