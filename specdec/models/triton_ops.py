@@ -724,14 +724,14 @@ def token_tile(M: int) -> int:
     """Tokens per GEMM tile for M rows: 16, or 32 / 64 from TILE_32_FROM / TILE_64_FROM rows. A weight tile is
     streamed once per token tile, so wide tiles cut the weight traffic of a prefill or a wide batched verify;
     below the thresholds the narrow tiles' extra programs run faster. Default model, bf16, H200, graphed
-    forwards, ms for 16 / 32 / 64-token tiles (.dev scratch sweep, 20 replays each):
+    forwards, ms for 16 / 32 / 64-token tiles (benchmarks/token_tiles.py, median of 20 replays):
       1 x 25 (a verify block)   1.01 / 1.18 / 1.78     32 x 5 (160 rows)   1.42 / 1.47 / 2.26
       8 x 25 (200 rows)         1.81 / 1.75 / 2.37     32 x 25 (800)       4.97 / 4.06 / 4.53
       64 x 25 (1600)            9.39 / 7.56 / 7.31     16 x 128 (a prefill of 2048 tokens)  7.09 / 4.97 / 4.75
       64 x 128 (8192)           26.4 / 17.9 / 16.9
     A token's result does not depend on the tile's width: its dot products walk K in the same BLOCK_K steps,
     each output element computed on its own, and the epilogue's sums run in a fixed order (group_sums).
-    tests/test_triton_ops.py checks every width against rows alone, bit for bit; the sweep above found the
+    tests/test_triton_ops.py checks every width against rows alone, bit for bit; the benchmark found the
     model's logits and hidden states bitwise equal across the three widths at all 19 shapes."""
     return 64 if M >= TILE_64_FROM else 32 if M >= TILE_32_FROM else BLOCK_T
 
