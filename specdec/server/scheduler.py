@@ -12,7 +12,8 @@ each request's own sampling parameters and seed, and stops rows at EOS, max_toke
 (one implementation, batch.py).
 
 Chunked prefill: new requests do not stall running ones. Waiting requests take the lowest free slots
-and form a prefill group (at most `prefill_chunk` of them, so that every chunk reads a token of each);
+and form a prefill group (at most `prefill_chunk` of them, so that every chunk reads a token of each;
+where prefills are graphed, at most what one replay reads whole, BatchOps.group_size);
 the target reads their prompts `prefill_chunk` tokens at a time (rows x positions, the rows batched in
 one forward per chunk, longest prompts first). Each turn of the decode loop reads at most one chunk,
 then runs one step over the rows that are ready: a step never waits for more than one chunk (plus,
