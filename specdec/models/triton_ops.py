@@ -286,7 +286,8 @@ def load_row_squares(sq_ptr, offs_t, M, K, NORM_PART: tl.constexpr, NORM_PARTS: 
 def group_sums(x, GROUP: tl.constexpr, ROWS: tl.constexpr):
     """[16, COLS]: row g is the sum of x's rows g*GROUP .. (g+1)*GROUP - 1 (x [ROWS, COLS] fp32; rows past
     ROWS // GROUP are 0), added in row order in every column whatever the tile's width. An fp32 `ieee` dot
-    runs on FMA units, each output element accumulating over k in order (ones and zeros: exact products);
+    runs on FMA units, each output element accumulating over k in order (ones and zeros: exact products of
+    finite inputs; an overflowed row would spread its NaN to every group, where it is garbage anyway);
     a tl.sum's order follows the tensor's layout, which follows its shape, so the token tile's width
     (token_tile) would change a token's bits."""
     select = tl.where(tl.arange(0, ROWS)[None, :] // GROUP == tl.arange(0, 16)[:, None], 1.0, 0.0)  # [16, ROWS]
