@@ -725,7 +725,7 @@ def token_tile(M: int) -> int:
     """Tokens per GEMM tile for M rows: 16, or 32 / 64 from TILE_32_FROM / TILE_64_FROM rows. A weight tile is
     streamed once per token tile, so wide tiles cut the weight traffic of a prefill or a wide batched verify;
     below the thresholds the narrow tiles' extra programs run faster. Default model, bf16, H200, graphed
-    forwards, ms for 16 / 32 / 64-token tiles (benchmarks/token_tiles.py, median of 20 replays):
+    forwards, ms for 16 / 32 / 64-token tiles (the scratch form of benchmarks/token_tiles.py, median of 20):
       1 x 25 (a verify block)   1.01 / 1.18 / 1.78     32 x 5 (160 rows)   1.42 / 1.47 / 2.26
       8 x 25 (200 rows)         1.81 / 1.75 / 2.37     32 x 25 (800)       4.97 / 4.06 / 4.53
       64 x 25 (1600)            9.39 / 7.56 / 7.31     16 x 128 (a prefill of 2048 tokens)  7.09 / 4.97 / 4.75
