@@ -171,12 +171,12 @@ class SpecPolicy:
             return self.gamma
         if self.name == "batch-threshold":
             return 0
-        prior = self.overall.rates([0.5] * self.gamma, 2.0)
-        alphas = [row.rates(prior, self.prior_weight) for row in rows]
-        B = slots or len(rows)
         if self.probe_left:  # an exploration's steps: measured afresh
             self.probe_left -= 1
             return self.probe_gamma
+        prior = self.overall.rates([0.5] * self.gamma, 2.0)
+        alphas = [row.rates(prior, self.prior_weight) for row in rows]
+        B = slots or len(rows)
         best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
         if best != self.chosen:
             self.chosen, self.same_steps, self.explore_after = best, 1, EXPLORE_EVERY
