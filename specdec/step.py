@@ -426,10 +426,15 @@ class Stepper:
         index = torch.tensor([slots[i] for i in order], device=self.device)  # [n]
         batch.active[index] = False
         lengths = [len(requests[i].prompt) for i in order]
-        whole = chunk is None or lengths[0] * len(rows) <= chunk  # one forward reads every prompt
-        graph = self.prefill_graphs.shape(len(rows), lengths[0]) if self.prefill_graphs and whole else None
+        graph = self.prefill_graph(len(rows), lengths[0], chunk)
         scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
         return Prefill([rows[i] for i in order], index, lengths, chunk, scratch, graph)
+
+    def prefill_graph(self, rows: int, longest: int, chunk: int | None) -> tuple[int, int] | None:
+        """The PrefillGraphs shape that reads `rows` whole prompts of at most `longest` tokens in one replay:
+        one forward must read them all (within `chunk`) and a captured shape must hold them; else None."""
+        whole = chunk is None or longest * rows <= chunk
+        return self.prefill_graphs.shape(rows, longest) if self.prefill_graphs and whole else None
 
     @entry_point
     def prefill_chunk(self, prefill: Prefill) -> list[Row]:

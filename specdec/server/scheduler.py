@@ -253,15 +253,14 @@ class BatchOps:
 
     def group_size(self, lengths: list[int], chunk: int) -> int:
         """How many of the waiting prompts of these lengths (in queue order) to read as one group: where
-        prefills are graphed, the most that one captured forward reads whole (PrefillGraphs.shape, within
-        `chunk`), at least one; else all of them."""
-        graphs = self.full.prefill_graphs
-        if graphs is None:
+        prefills are graphed, the most that one replay reads whole (Stepper.prefill_graph), at least one;
+        else all of them."""
+        if self.full.prefill_graphs is None:
             return len(lengths)
         longest = 0
         for k, n in enumerate(lengths):
             longest = max(longest, n)
-            if graphs.shape(k + 1, longest) is None or longest * (k + 1) > chunk:
+            if self.full.prefill_graph(k + 1, longest, chunk) is None:
                 return max(k, 1)
         return len(lengths)
 
