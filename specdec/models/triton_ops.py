@@ -295,14 +295,11 @@ def group_sums(x, GROUP: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def norm_rows(acc, sq, K, eps, HAS_NORM: tl.constexpr, NORM_PARTS: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_T] fp32 scaled by each token's RMSNorm rstd when the norm is fused: its
-    partial sums of squares sq [BLOCK_T, NORM_PARTS] added in part order (group_sums; its other rows
-    are zeros, which add exactly)."""
-    if HAS_NORM:
-        total = tl.sum(group_sums(tl.trans(sq), NORM_PARTS, NORM_PARTS), axis=0)  # [BLOCK_T]
-        acc = acc * tl.rsqrt(total / K + eps)[None, :]
-    return acc
+def norm_rstd(sq, K, eps, NORM_PARTS: tl.constexpr):
+    """[BLOCK_T] each token's RMSNorm rstd, from its partial sums of squares sq [BLOCK_T, NORM_PARTS] added
+    in part order (group_sums; its other rows are zeros, which add exactly): what a fused norm scales the
+    accumulator by."""
+    return tl.rsqrt(tl.sum(group_sums(tl.trans(sq), NORM_PARTS, NORM_PARTS), axis=0) / K + eps)
 
 
 @triton.jit
@@ -311,7 +308,8 @@ def store_plain(acc, sq, bias, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, 
                 NORM_PART: tl.constexpr, NORM_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
     """y = acc (+ bias) (+ residual); EMIT_NORM: also the next RMSNorm's input as NormedRows: yn = y ⊙ nw
     (rounded) and each token's sum of y² over every NORM_PART columns (the tile's rows, in order)."""
-    acc = norm_rows(acc, sq, K, eps, HAS_NORM, NORM_PARTS)
+    if HAS_NORM:
+        acc = acc * norm_rstd(sq, K, eps, NORM_PARTS)[None, :]
     if HAS_BIAS:
         acc += bias.to(tl.float32)[:, None]
     mask = (offs_n < N)[:, None] & (offs_t < M)[None, :]
@@ -337,8 +335,10 @@ def store_plain(acc, sq, bias, res, nw, offs_n, offs_t, y_ptr, yn_ptr, ysq_ptr, 
 @triton.jit
 def store_silu(gate, up, sq, bias_a, bias_b, offs_n, offs_t, y_ptr, M, I, K, eps,
                HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_PARTS: tl.constexpr):
-    gate = norm_rows(gate, sq, K, eps, HAS_NORM, NORM_PARTS)
-    up = norm_rows(up, sq, K, eps, HAS_NORM, NORM_PARTS)
+    if HAS_NORM:
+        rstd = norm_rstd(sq, K, eps, NORM_PARTS)[None, :]
+        gate = gate * rstd
+        up = up * rstd
     if HAS_BIAS:
         gate += bias_a.to(tl.float32)[:, None]
         up += bias_b.to(tl.float32)[:, None]
@@ -368,8 +368,10 @@ def store_qkv(first, second, sq, bias_a, bias_b, pos, inv_freq, slot, w_first, w
     q/k norm weights [BLOCK_N]: loaded before the main loop."""
     HALF: tl.constexpr = HEAD_DIM // 2
     HALVES: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
-    first = norm_rows(first, sq, K, eps, HAS_NORM, NORM_PARTS)
-    second = norm_rows(second, sq, K, eps, HAS_NORM, NORM_PARTS)
+    if HAS_NORM:
+        rstd = norm_rstd(sq, K, eps, NORM_PARTS)[None, :]
+        first = first * rstd
+        second = second * rstd
     if HAS_BIAS:
         first += bias_a.to(tl.float32)[:, None]
         second += bias_b.to(tl.float32)[:, None]
