@@ -177,6 +177,22 @@ def topk_wide(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return x.topk(k, dim=-1)
 
 
+def topk_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(log-probabilities float32, indices) [..., k] of the k most likely entries of softmax(logits [..., V]),
+    most likely first: a draft tree's children. On CUDA two Triton kernels (models/triton_topk.py: about
+    ten PyTorch kernels fewer per tree level); elsewhere log_softmax, then topk_wide."""
+    if logits.is_cuda:
+        from specdec.models.kernels import say_once, triton_problem
+
+        problem = triton_problem()
+        if problem is None:
+            from specdec.models.triton_topk import topk_log_softmax
+
+            return topk_log_softmax(logits, k)
+        say_once(f"a draft tree's top-k runs as PyTorch operations, about ten kernels more per level ({problem})")
+    return topk_wide(logits.float().log_softmax(-1), k)
+
+
 def topk_in_slices(x: Tensor, k: int, chunk: int) -> tuple[Tensor, Tensor]:
     """torch.topk(x, k) [..., k] as the k largest of each `chunk`-entry slice of x [..., V], then the k
     largest of those (k <= chunk)."""

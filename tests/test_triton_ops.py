@@ -536,6 +536,27 @@ def test_a_model_on_another_gpu_runs_from_a_fresh_thread(tiny_folder):
     assert torch.equal(outs["cuda:0"], outs["cuda:1"])
 
 @needs_triton
+@pytest.mark.parametrize("vocab,k", [(8192, 4), (3000, 1), (1100, 8), (3, 4)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_log_softmax_matches_a_stable_sort(vocab, k, dtype):
+    """The draft top-k kernels: torch's log_softmax and a stable sort's first k (the lower index first among
+    equal values), with ties planted across the vocabulary slices, a vocabulary that is no multiple of a
+    slice and one shorter than k."""
+    from specdec.models.triton_topk import topk_log_softmax
+
+    x = randn(2, 3, vocab, dtype=dtype, seed=vocab)
+    x[0, 0, [7 % vocab, 2000 % vocab, vocab - 1]] = 9.0  # three equal maxima, in different slices
+    x[1, 2, :] = 0.0  # every entry equal
+    values, index = topk_log_softmax(x, k)
+    ref = x.float().log_softmax(-1)
+    order = ref.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    k_real = min(k, vocab)
+    assert torch.equal(index[..., :k_real], order[..., :k_real])
+    torch.testing.assert_close(values[..., :k_real], ref.gather(-1, order[..., :k_real]), rtol=0, atol=1e-4)
+    assert index.max().item() < vocab  # never an id past the vocabulary, even where it has fewer than k entries
+
+
+@needs_triton
 def test_the_checks_catch_a_block_dependent_kernel(exact_model, monkeypatch):
     """The checks above have the power to fail: with an LM head whose tiling depends on the number of
     rows (split-K for blocks, as cuBLAS picks per shape), they find differences."""
