@@ -12,7 +12,7 @@ import specdec
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, select_tree
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, rank_order, select_tree, top_indices
 from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
@@ -36,6 +36,35 @@ def test_select_tree_keeps_parents_and_orders_breadth_first():
     kept_tokens, kept_parents = select_tree(tokens, scores, parents, depths, total=4)
     assert kept_tokens.tolist() == [[10, 11, 12, 14]]
     assert kept_parents.tolist() == [[-1, -1, 0, 2]]
+
+
+def test_sort_free_ranking_equals_a_stable_sort():
+    """top_indices and rank_order (the compiled tree bookkeeping's sort) against a stable sort, with ties."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 6, (4, 3, 37), generator=gen).float()  # many equal values
+    x[0, 0, 5:] = float("-inf")
+    stable = x.sort(dim=-1, descending=True, stable=True).indices
+    assert torch.equal(top_indices(x, 7), stable[..., :7])
+    assert torch.equal(rank_order(x), stable.argsort(-1))
+
+
+def test_select_tree_equals_sorting_on_random_trees():
+    """select_tree against the sort it replaces (keep the best by score, then order by depth and index)."""
+    gen = torch.Generator().manual_seed(1)
+    B, C, total = 3, 30, 12
+    depths = torch.randint(1, 5, (B, C), generator=gen).sort(-1).values
+    parents = torch.stack([torch.tensor([-1 if d == 1 else int(torch.nonzero(row < d)[-1]) for d in row]) for row in depths])
+    scores = -torch.rand(B, C, generator=gen) - depths  # deeper scores lower: closed under parents
+    tokens = torch.randint(0, 1000, (B, C), generator=gen)
+    keep = (scores - 1e-4 * depths).topk(total, dim=-1).indices
+    keep = keep.gather(1, (depths.gather(1, keep) * C + keep).argsort(-1))
+    kept_tokens, kept_parents = select_tree(tokens, scores, parents, depths, total)
+    assert torch.equal(kept_tokens, tokens.gather(1, keep))
+    position = {(b, int(c)): n for b in range(B) for n, c in enumerate(keep[b])}
+    for b in range(B):
+        for n, c in enumerate(keep[b].tolist()):
+            p = int(parents[b, c])
+            assert int(kept_parents[b, n]) == (-1 if p < 0 else position[(b, p)])
 
 
 @pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5)], ids=["default", "small"])

@@ -37,7 +37,7 @@ from specdec.kv_cache import KVCache
 from specdec.models import fused
 from specdec.models.cpu_quant import block_format
 from specdec.models.eagle import EagleHead, load_eagle_head
-from specdec.sampling import topk_wide
+from specdec.sampling import topk_log_probs
 from specdec.verify import TreeSpec
 
 
@@ -136,18 +136,12 @@ class EagleDrafter:
         if batch.draft.features is not None:
             keep_features(batch, verified)
             return
-        state, dev = batch.draft, batch.device
-        took_part = verified.kept > 0  # [B]
-        count = verified.accepted + 1  # [B] kept entries: the old pending token and the accepted drafts
-        W = verified.hidden.shape[1]
-        start = torch.where(took_part, batch.length - count - 1, state.cache.lengths)  # [B] first pair's position
-        positions = start[:, None] + torch.arange(W, device=dev)  # [B, W]
-        next_tokens = batch.tokens.gather(1, (positions + 1).clamp(max=batch.max_len - 1))  # [B, W]
-        state.cache.lengths.copy_(start)
-        out = self.head.features(self.head.project(verified.hidden.to(state.root.dtype)), next_tokens, positions, state.cache)  # [B, W, D]
-        state.cache.lengths.copy_(torch.where(took_part, start + count, start))
-        last = out.gather(1, (count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
-        state.root.copy_(torch.where(took_part[:, None], last, state.root))
+        state = batch.draft
+        pairs = fused.run_compiled(pairs_kept, verified.kept, verified.accepted, batch.length, state.cache.lengths,
+                                  batch.tokens, verified.hidden.shape[1])
+        state.cache.lengths.copy_(pairs.start)
+        out = self.head.features(self.head.project(verified.hidden.to(state.root.dtype)), pairs.next_tokens, pairs.positions, state.cache)  # [B, W, D]
+        fused.run_compiled(keep_root, out, pairs, state.cache.lengths, state.root)
 
     def catch_up(self, batch) -> None:
         """Lazy state: feed every running row the pairs from its head-cache length up to L - 2 (one forward
@@ -177,22 +171,57 @@ class EagleDrafter:
 
     def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
         """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Between the head's
-        forwards the bookkeeping runs compiled on CUDA (fused.run_compiled): dozens of tiny operations per level."""
+        forwards, the children's top-k runs as two Triton kernels on CUDA (sampling.topk_log_probs) and the
+        bookkeeping compiled (fused.run_compiled): dozens of tiny operations per level, in a few kernels
+        because nothing in them sorts (`top_indices`)."""
         cfg, cache = self.tree, batch.draft.cache
         base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
         head, d2t = self.head, self.head.d2t
-        cands = fused.run_compiled(root_children, root_feature, head.logits(root_feature), d2t, cfg.branch)
+        cands = fused.run_compiled(root_children, root_feature, *topk_log_probs(head.logits(root_feature), cfg.branch), d2t)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1 (0 for a slot no row has held yet: it flows through masked, and
         # position -1 would index before the rotary table, an illegal address on CUDA)
         root_pos = (batch.length - 1).clamp(min=0)
         for level in range(2, depth + 1):
-            frontier = fused.run_compiled(choose_frontier, cands.scores, cands, level, min(cfg.frontier, cands.scores.shape[1]))
-            new_feats = self.head.features(frontier.features, frontier.tokens, root_pos[:, None] + (level - 2), cache,
+            frontier = fused.run_compiled(choose_frontier, cands.scores, cands, root_pos, level, min(cfg.frontier, cands.scores.shape[1]))
+            new_feats = self.head.features(frontier.features, frontier.tokens, frontier.positions, cache,
                                            mask=frontier.ancestors[:, -frontier.chosen.shape[1]:])  # [B, F, D]
-            cands = fused.run_compiled(add_children, new_feats, head.logits(new_feats), cands, frontier, d2t, cfg.branch, level)
+            children = topk_log_probs(head.logits(new_feats), cfg.branch)  # ([B, F, K] log q, [B, F, K] draft ids)
+            cands = fused.run_compiled(add_children, new_feats, *children, cands, frontier, d2t, level)
         cache.lengths.copy_(base)  # the tree's entries are scratch
         return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)
+
+
+@dataclass
+class Pairs:
+    """The pairs an eager commit feeds the head: the kept entries' (feature, next token) at their positions."""
+
+    took_part: Tensor  # [B] rows that took part in the step
+    count: Tensor  # [B] kept entries: the old pending token and the accepted drafts
+    start: Tensor  # [B] the first pair's position (a row that did not take part: its head-cache length)
+    positions: Tensor  # [B, W]
+    next_tokens: Tensor  # [B, W] the token after each position
+
+
+def pairs_kept(kept: Tensor, accepted: Tensor, length: Tensor, head_length: Tensor, tokens: Tensor, W: int) -> Pairs:
+    """The pairs to feed after a step (kept, accepted [B] from Verified; length [B] the rows' lengths after it;
+    head_length [B] the head cache's; tokens [B, S] the rows'); W: the entries the step returns features of.
+    Rows that did not take part write only past their cache length."""
+    took_part = kept > 0
+    count = accepted + 1
+    start = torch.where(took_part, length - count - 1, head_length)
+    positions = start[:, None] + torch.arange(W, device=kept.device)
+    next_tokens = tokens.gather(1, (positions + 1).clamp(max=tokens.shape[1] - 1))
+    return Pairs(took_part, count, start, positions, next_tokens)
+
+
+def keep_root(out: Tensor, pairs: Pairs, head_length: Tensor, root: Tensor) -> None:
+    """After the head read the pairs (out [B, W, D]): each row that took part keeps its count entries and the
+    head's feature of its new pending token (the next tree's root), in place."""
+    W = out.shape[1]
+    head_length.copy_(torch.where(pairs.took_part, pairs.start + pairs.count, pairs.start))
+    last = out.gather(1, (pairs.count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
+    root.copy_(torch.where(pairs.took_part[:, None], last, root))
 
 
 def keep_features(batch, verified: Verified) -> None:
@@ -228,27 +257,30 @@ class Frontier:
     chosen: Tensor  # [B, F] candidates to expand at this level
     tokens: Tensor  # [B, F] their tokens
     features: Tensor  # [B, F, D] their parents' features
+    positions: Tensor  # [B, F] their head inputs' position: their parents' (the root's position + level - 2)
     ancestors: Tensor  # [B, E, E] the entries' ancestor sets, the F new entries last
 
 
-def root_children(root_feature: Tensor, logits: Tensor, d2t: Tensor, branch: int) -> Candidates:
-    """The first level: the root's `branch` most likely tokens (logits [B, Vd]: the head's, of root_feature [B, D]).
-    The head's logits are computed outside (EagleHead.logits): on a CPU through the C kernels' packed
-    weights, which a functional linear here would bypass (single-threaded MKL took 3.8 ms a level)."""
-    score, pick = topk_wide(logits.log_softmax(-1), branch)  # [B, K]
+def root_children(root_feature: Tensor, score: Tensor, pick: Tensor, d2t: Tensor) -> Candidates:
+    """The first level: the root's `branch` most likely tokens (score, pick [B, K]: their draft log-probabilities
+    and draft-vocabulary ids under the head's logits of root_feature [B, D]). The head's logits are computed
+    outside (EagleHead.logits): on a CPU through the C kernels' packed weights, which a functional linear here
+    would bypass (single-threaded MKL took 3.8 ms a level)."""
     B, D = root_feature.shape
+    branch = pick.shape[1]
     return Candidates(d2t[pick], score, torch.full_like(pick, -1), torch.ones_like(pick),
                       root_feature[:, None].expand(-1, branch, -1), torch.full_like(pick, -1),
                       torch.zeros(B, 0, 0, dtype=torch.bool, device=root_feature.device))
 
 
-def choose_frontier(scores: Tensor, cands: Candidates, level: int, F: int) -> Frontier:
-    """The F most confident candidates of the last level, and their ancestor sets as head-cache entries
-    (each new entry: its parent's ancestors and itself)."""
+def choose_frontier(scores: Tensor, cands: Candidates, root_pos: Tensor, level: int, F: int) -> Frontier:
+    """The F most confident candidates of the last level, their head inputs' positions (root_pos [B]: the
+    pending token's) and their ancestor sets as head-cache entries (each new entry: its parent's ancestors
+    and itself)."""
     B, E0 = scores.shape[0], cands.ancestors.shape[1]
     rows = torch.arange(B, device=scores.device)[:, None]
     ranked = torch.where(cands.depths == level - 1, scores, float("-inf"))
-    chosen = ranked.topk(F, dim=-1).indices  # [B, F]
+    chosen = top_indices(ranked, F)  # [B, F]
     parent = cands.parents.gather(1, chosen)  # [B, F]
     parent_entry = torch.where(parent >= 0, cands.entry.gather(1, parent.clamp(min=0)), -1)  # [B, F]
     ancestors = torch.zeros(B, E0 + F, E0 + F, dtype=torch.bool, device=scores.device)
@@ -256,19 +288,20 @@ def choose_frontier(scores: Tensor, cands: Candidates, level: int, F: int) -> Fr
         ancestors[:, :E0, :E0] = cands.ancestors
         ancestors[:, E0:, :E0] = cands.ancestors[rows, parent_entry.clamp(min=0)] & (parent_entry >= 0)[..., None]
     ancestors[:, E0:, E0:] = torch.eye(F, dtype=torch.bool, device=scores.device)
-    return Frontier(chosen, cands.tokens[rows, chosen], cands.features[rows, chosen], ancestors)
+    positions = (root_pos + (level - 2))[:, None].expand(B, F).contiguous()  # [B, F]
+    return Frontier(chosen, cands.tokens[rows, chosen], cands.features[rows, chosen], positions, ancestors)
 
 
-def add_children(new_feats: Tensor, logits: Tensor, cands: Candidates, frontier: Frontier, d2t: Tensor, branch: int,
-                  level: int) -> Candidates:
+def add_children(new_feats: Tensor, child_score: Tensor, child_pick: Tensor, cands: Candidates, frontier: Frontier,
+                 d2t: Tensor, level: int) -> Candidates:
     """Mark the frontier as expanded (head-cache entries E0..E-1) and add each one's `branch` most likely
-    children (new_feats [B, F, D]: the head's features of the frontier; logits [B, F, Vd]: their draft logits)."""
-    B, F = frontier.chosen.shape
+    children (new_feats [B, F, D]: the head's features of the frontier; child_score, child_pick [B, F, K]:
+    their children's draft log-probabilities and draft-vocabulary ids)."""
+    B, F, branch = child_pick.shape
     E = frontier.ancestors.shape[1]
     rows = torch.arange(B, device=new_feats.device)[:, None]
     entry = cands.entry.clone()
     entry[rows, frontier.chosen] = torch.arange(E - F, E, device=new_feats.device).expand(B, F)
-    child_score, child_pick = topk_wide(logits.log_softmax(-1), branch)  # [B, F, K]
     child_score = child_score + cands.scores.gather(1, frontier.chosen)[..., None]
     children = child_pick.flatten(1)  # [B, F*K]
     return Candidates(
@@ -288,15 +321,39 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor,
     tokens, scores, parents (candidate index, -1 = root), depths: [B, C]."""
     B, C = scores.shape
     total = min(total, C)
-    rank = scores - 1e-4 * depths  # strictly below the parent even when q = 1
-    keep = rank.topk(total, dim=-1).indices  # [B, N]
-    order = (depths.gather(1, keep) * C + keep).argsort(-1)  # breadth first, then candidate order
-    keep = keep.gather(1, order)  # [B, N] candidate index of each kept node
-    new_index = torch.full((B, C), -1, dtype=torch.long, device=scores.device)
-    new_index.scatter_(1, keep, torch.arange(total, device=scores.device).expand(B, total))
+    kept = rank_order(scores - 1e-4 * depths) < total  # [B, C]; 1e-4: strictly below the parent even when q = 1
+    order = depths * C + torch.arange(C, device=scores.device)  # [B, C] breadth first, then candidate order
+    earlier = kept[:, None, :] & (order[:, None, :] < order[:, :, None])  # [B, C, C]: kept j comes before i
+    new_index = torch.where(kept, earlier.sum(-1), -1)  # [B, C] node index of each kept candidate
+    keep = pick_ranked(new_index, total)  # [B, N] candidate index of each node
     kept_parents = parents.gather(1, keep)  # [B, N] candidate index
     tree_parents = torch.where(kept_parents >= 0, new_index.gather(1, kept_parents.clamp(min=0)), -1)
     return tokens.gather(1, keep), tree_parents
+
+
+def rank_order(x: Tensor) -> Tensor:
+    """[..., C] each entry's place when x [..., C] is sorted largest first, the lower index first among equal
+    values (0 for the largest). By counting, over [..., C, C], the entries placed before each: a tree's
+    candidate sets are small, and unlike a sort this compiles into fused kernels (torch.topk and argsort are
+    kernels of their own, and each splits a compiled function's kernels around it)."""
+    C = x.shape[-1]
+    index = torch.arange(C, device=x.device)
+    a, b = x[..., :, None], x[..., None, :]  # entry i, entry j
+    before = (b > a) | ((b == a) & (index[None, :] < index[:, None]))  # [..., C, C]: j is placed before i
+    return before.sum(-1)
+
+
+def pick_ranked(place: Tensor, k: int) -> Tensor:
+    """[..., k] the index of the entry at each place 0..k-1 (place [..., C]: distinct places, or -1)."""
+    C = place.shape[-1]
+    at = place[..., None, :] == torch.arange(k, device=place.device)[:, None]  # [..., k, C]
+    return (at * torch.arange(C, device=place.device)).sum(-1)
+
+
+def top_indices(x: Tensor, k: int) -> Tensor:
+    """[..., k] indices of the k largest entries of x [..., C], largest first (the lower index first among
+    equal values), without a sort (rank_order)."""
+    return pick_ranked(rank_order(x), k)
 
 
 def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
