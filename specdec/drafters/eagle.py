@@ -333,10 +333,13 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor,
 
 def rank_order(x: Tensor) -> Tensor:
     """[..., C] each entry's place when x [..., C] is sorted largest first, the lower index first among equal
-    values (0 for the largest). By counting, over [..., C, C], the entries placed before each: a tree's
-    candidate sets are small, and unlike a sort this compiles into fused kernels (torch.topk and argsort are
-    kernels of their own, and each splits a compiled function's kernels around it)."""
+    values (0 for the largest), NaN as -inf (a slot no row holds flows through a step with whatever its
+    buffers hold: its places must stay distinct, or pick_ranked would add indices up past C). By counting,
+    over [..., C, C], the entries placed before each: a tree's candidate sets are small, and unlike a sort
+    this compiles into fused kernels (torch.topk and argsort are kernels of their own, and each splits a
+    compiled function's kernels around it)."""
     C = x.shape[-1]
+    x = torch.where(x.isnan(), float("-inf"), x)
     index = torch.arange(C, device=x.device)
     a, b = x[..., :, None], x[..., None, :]  # entry i, entry j
     before = (b > a) | ((b == a) & (index[None, :] < index[:, None]))  # [..., C, C]: j is placed before i
