@@ -255,20 +255,15 @@ def markdown_table(results: dict) -> str:
 
 
 def category_table(results: dict) -> str:
-    """Median speedup vs plain per category (when the task set has categories)."""
+    """Median speedup vs plain per category (when the task set has categories): per prompt, median tokens/s
+    over repeats against plain's, as the results table (runner.speedup_by_category)."""
     cats = results["categories"]
     if not cats:
         return ""
-    import statistics
-
-    plain = {r["task_id"]: r["tokens_per_s"] for r in results["runs"] if r["method"] == PLAIN and r["repeat"] == 0}
     lines = ["| method | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 1)]
     for m in results["methods"]:
-        cells = []
-        for cat in cats:
-            ratios = [r["tokens_per_s"] / plain[r["task_id"]] for r in results["runs"]
-                      if r["method"] == m["name"] and r["category"] == cat and r["repeat"] == 0 and plain.get(r["task_id"])]
-            cells.append(fmt(statistics.median(ratios)) + "x" if ratios else "-")
+        by_category = m.get("speedup_vs_plain_by_category", {})
+        cells = [fmt(by_category[cat]) + "x" if cat in by_category else "-" for cat in cats]
         lines.append(f"| {m['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

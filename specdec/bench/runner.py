@@ -376,10 +376,18 @@ def median_speed(runs: list[RunRecord]) -> float:
     return statistics.median(r.tokens_per_s for r in runs)
 
 
-def speedups(records: list[RunRecord], method: str, baseline: str) -> list[float]:
-    """Per-prompt ratio of median tokens/s (over repeats) to the baseline's on the same prompt."""
+def speedups(records: list[RunRecord], method: str, baseline: str, category: str | None = None) -> list[float]:
+    """Per-prompt ratio of median tokens/s (over repeats) to the baseline's on the same prompt (only the
+    prompts of `category`, if given)."""
     mine, base = per_prompt(records, method), per_prompt(records, baseline)
-    return [median_speed(mine[t]) / median_speed(base[t]) for t in mine if t in base and median_speed(base[t]) > 0]
+    return [median_speed(mine[t]) / median_speed(base[t]) for t in mine
+            if t in base and median_speed(base[t]) > 0 and category in (None, mine[t][0].category)]
+
+
+def speedup_by_category(records: list[RunRecord], method: str) -> dict[str, float]:
+    """Category -> the median over its prompts of `speedups` against plain (prompts without a category are left out)."""
+    categories = sorted({r.category for r in records if r.method == method and r.category})
+    return {c: statistics.median(ratios) for c in categories if (ratios := speedups(records, method, PLAIN, c))}
 
 
 def summarize(method: Method, records: list[RunRecord], calibration: dict, greedy: bool) -> dict:
@@ -392,6 +400,7 @@ def summarize(method: Method, records: list[RunRecord], calibration: dict, greed
         "tokens_per_s": quartiles(speeds),
         "speedup_vs_plain": quartiles(speedups(records, method.name, PLAIN)),
         "speedup_vs_hf": quartiles(speedups(records, method.name, "hf")),
+        "speedup_vs_plain_by_category": speedup_by_category(records, method.name),
         "accuracy": sum(correct) / len(correct) if correct else None,
         "mean_new_tokens": statistics.mean(r.num_tokens for r in first),
     }
