@@ -113,3 +113,18 @@ def test_category_speedups_take_every_repeat():
     assert by_category == pytest.approx({"chat": 2.0, "qa": 0.95})  # qa: medians 1.00 and 0.90, not repeat 0's 0.55
     table = category_table({"categories": ["chat", "qa"], "methods": [{"name": "m", "speedup_vs_plain_by_category": by_category}]})
     assert "| m | 2.00x | 0.95x |" in table
+
+
+def test_the_report_states_plain_decodings_own_spread():
+    """With repeats, the report says how far plain's runs of one prompt moved (the noise under a speedup)."""
+    from specdec.bench.report import noise_line
+    from specdec.bench.runner import PLAIN, RunRecord, repeat_spread
+
+    def run(task, repeat, tps):
+        return RunRecord(PLAIN, task, "qa", repeat, 10, 10 / tps, tps, [1], None, None, None)
+
+    spread = repeat_spread([run("1", 0, 90.0), run("1", 1, 100.0), run("1", 2, 120.0), run("2", 0, 50.0)], PLAIN)
+    assert (spread["min"], spread["median"], spread["max"]) == pytest.approx((0.9, 1.0, 1.2))  # prompt 2: one run, no spread
+    assert "0.900" in noise_line({"methods": [{"name": PLAIN, "repeat_spread": spread}]})
+    assert repeat_spread([run("1", 0, 90.0)], PLAIN) is None
+    assert noise_line({"methods": [{"name": PLAIN, "repeat_spread": None}]}) == ""

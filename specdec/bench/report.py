@@ -268,6 +268,19 @@ def category_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def noise_line(results: dict) -> str:
+    """How far plain decoding's own repeats moved around their per-prompt medians (runner.repeat_spread): the
+    noise under the speedups, which a reader needs to judge a category's cell against a 5 % target."""
+    plain = next((m for m in results["methods"] if m["name"] == PLAIN), None)
+    spread = plain and plain.get("repeat_spread")
+    if not spread:
+        return ""
+    return (f"Noise: plain decoding's repeats of one prompt ran at {spread['p25']:.3f}-{spread['p75']:.3f}x that "
+            f"prompt's median speed (quartiles; min {spread['min']:.3f}, max {spread['max']:.3f}): how far one prompt's "
+            f"measurement moves between runs on this machine. A category's cell, the median over its few prompts, "
+            f"moves by a part of that between runs.")
+
+
 def render_markdown(results: dict, plots: list[Path]) -> str:
     env, cfg, cal = results["environment"], results["config"], results["calibration"]
     where = (env.get("gpu") or f"{env['processor']}, {env['cpu_threads']} CPU threads") + parallelism(env)
@@ -285,6 +298,9 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
     cats = category_table(results)
     if cats:
         parts += ["## Speedup vs plain per category", cats]
+    noise = noise_line(results)
+    if noise:
+        parts += [noise]
     if "floor_tokens_per_s" in cal:
         plain = next(m for m in results["methods"] if m["name"] == PLAIN)
         share = plain["tokens_per_s"]["median"] / cal["floor_tokens_per_s"]

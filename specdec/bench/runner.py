@@ -390,6 +390,14 @@ def speedup_by_category(records: list[RunRecord], method: str) -> dict[str, floa
     return {c: statistics.median(ratios) for c in categories if (ratios := speedups(records, method, PLAIN, c))}
 
 
+def repeat_spread(records: list[RunRecord], method: str) -> dict | None:
+    """Quartiles of each run's tok/s over its prompt's median (None without repeats): how far the same request
+    moves from run to run on this machine, the noise under every speedup of the run."""
+    ratios = [r.tokens_per_s / median_speed(runs) for runs in per_prompt(records, method).values()
+              if len(runs) > 1 and median_speed(runs) > 0 for r in runs]
+    return quartiles(ratios) if ratios else None
+
+
 def summarize(method: Method, records: list[RunRecord], calibration: dict, greedy: bool) -> dict:
     runs = per_prompt(records, method.name)
     speeds = [median_speed(v) for v in runs.values()]
@@ -401,6 +409,7 @@ def summarize(method: Method, records: list[RunRecord], calibration: dict, greed
         "speedup_vs_plain": quartiles(speedups(records, method.name, PLAIN)),
         "speedup_vs_hf": quartiles(speedups(records, method.name, "hf")),
         "speedup_vs_plain_by_category": speedup_by_category(records, method.name),
+        "repeat_spread": repeat_spread(records, method.name),
         "accuracy": sum(correct) / len(correct) if correct else None,
         "mean_new_tokens": statistics.mean(r.num_tokens for r in first),
     }
