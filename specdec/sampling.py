@@ -169,8 +169,9 @@ TOPK_CHUNK = 1024  # the first stage's slice: short enough that torch.topk gives
 def topk_wide(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values, indices) [..., k] of the k largest entries of x [..., V] along the last dimension, largest
     first, as torch.topk. On a GPU over a wide vocabulary, in two stages (`topk_in_slices`): torch.topk
-    over one 49k-entry row runs a radix select in one thread block (40 us for 16 rows on an H200, a third
-    of an EAGLE draft); a slice per block spreads it over the GPU. On a CPU, one stage (two were 1.4x
+    over one 49k-entry row runs a radix select in one thread block (40 us for 16 rows on an H200); a slice
+    per block spreads it over the GPU (Medusa's ranking, sampling's top-k cut; an EAGLE tree's children take
+    topk_log_probs). On a CPU, one stage (two were 1.4x
     slower). Among equal values the index picked may differ from torch.topk's."""
     if x.is_cuda and x.shape[-1] > 4 * TOPK_CHUNK and k <= TOPK_CHUNK:
         return topk_in_slices(x, k, TOPK_CHUNK)

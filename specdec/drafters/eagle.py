@@ -139,7 +139,6 @@ class EagleDrafter:
         state = batch.draft
         pairs = fused.run_compiled(pairs_kept, verified.kept, verified.accepted, batch.length, state.cache.lengths,
                                   batch.tokens, verified.hidden.shape[1])
-        state.cache.lengths.copy_(pairs.start)
         out = self.head.features(self.head.project(verified.hidden.to(state.root.dtype)), pairs.next_tokens, pairs.positions, state.cache)  # [B, W, D]
         fused.run_compiled(keep_root, out, pairs, state.cache.lengths, state.root)
 
@@ -206,12 +205,14 @@ class Pairs:
 def pairs_kept(kept: Tensor, accepted: Tensor, length: Tensor, head_length: Tensor, tokens: Tensor, W: int) -> Pairs:
     """The pairs to feed after a step (kept, accepted [B] from Verified; length [B] the rows' lengths after it;
     head_length [B] the head cache's; tokens [B, S] the rows'); W: the entries the step returns features of.
-    Rows that did not take part write only past their cache length."""
+    Sets head_length to the first pair's position (in place), where the head writes them; rows that did not
+    take part write only past their cache length."""
     took_part = kept > 0
     count = accepted + 1
     start = torch.where(took_part, length - count - 1, head_length)
     positions = start[:, None] + torch.arange(W, device=kept.device)
     next_tokens = tokens.gather(1, (positions + 1).clamp(max=tokens.shape[1] - 1))
+    head_length.copy_(start)
     return Pairs(took_part, count, start, positions, next_tokens)
 
 
