@@ -30,10 +30,16 @@ class VerifyResult:
 
 
 def count_accepted(accept: Tensor, num_drafted: Tensor | None) -> Tensor:
-    """accept [B, k] bool -> [B] length of the all-accepted prefix, capped at num_drafted [B]."""
+    """accept [B, k] bool -> [B] length of the all-accepted prefix, capped at num_drafted [B]: the first
+    rejected position, k if none. A min, not a cumprod: compiled scans are avoided (docs/design.md,
+    "Scans in compiled code")."""
+    k = accept.shape[1]
+    if k == 0:
+        return accept.new_zeros(accept.shape[0], dtype=torch.long)
+    position = torch.arange(k, device=accept.device)  # [k]
     if num_drafted is not None:
-        accept = accept & (torch.arange(accept.shape[1], device=accept.device) < num_drafted[:, None])
-    return accept.long().cumprod(-1).sum(-1)
+        accept = accept & (position < num_drafted[:, None])
+    return torch.where(accept, k, position).amin(-1)
 
 
 def remove_rejected(r: Tensor, q: Tensor) -> Tensor:

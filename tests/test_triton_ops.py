@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from conftest import DEVICE, TINY, build_hf, save_hf
 from specdec.errors import UserError
 from specdec.models import load_model
-from specdec.models.kernels import block_equals_steps, kernel_path, triton_problem
+from specdec.models import fused
+from specdec.models.kernels import block_equals_steps, kernel_path, triton_problem, visible_order
 from specdec.models.llama import build_attention_mask
 
 INTERPRET = os.environ.get("SPECDEC_TRITON_INTERPRET") == "1"
@@ -318,7 +319,7 @@ def test_attention_tokens_are_invariant_and_right(kind, B, dtype, config):
         lengths, positions = lengths.to(DEVICE), positions.to(DEVICE)
         mask = None if mask is None else mask.to(DEVICE)
         q = randn(B * T, HEADS * Dh, dtype=dtype, seed=13 + T)
-        visible = None if mask is None else ops_.visible_order(mask)
+        visible = None if mask is None else visible_order(mask)
         out = ops_.attention(q, k_cache, v_cache, lengths, T, visible, positions, window, config=cfg)
         ref = reference_attention(q, k_cache, v_cache, lengths, T, mask, positions, window)
         assert relative_error(out, ref) < TOLERANCE[dtype], f"T={T}"
@@ -629,6 +630,22 @@ def test_exact_refuses_uncovered_features(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- the CPU suite
+
+
+def test_visible_order_lists_seen_slots_first():
+    """visible_order equals a stable sort (seen slots first, each kind in slot order) at a few rows and at
+    thousands. On CUDA it runs compiled (dynamic sizes, first compiled at small shapes), where the cumsum
+    version it replaces read ranks out of range at 3000 rows (a device-side assert on an H200)."""
+    g = torch.Generator().manual_seed(0)
+    with fused.fusing():
+        for B, T, W in [(1, 1, 2), (2, 3, 6), (3000, 2, 2), (64, 25, 25), (6000, 3, 6), (5, 4, 64)]:
+            mask = (torch.rand(B, T, W, generator=g) < 0.5).to(DEVICE)
+            mask[0, 0] = False  # a token that sees nothing, and one that sees everything
+            mask[-1, -1] = True
+            order, count = visible_order(mask)
+            assert torch.equal(order.long(), torch.argsort((~mask).int(), dim=-1, stable=True)), (B, T, W)
+            assert torch.equal(count.long(), mask.sum(-1)), (B, T, W)
+            assert order.dtype == count.dtype == torch.int32
 
 
 def test_exact_on_cpu_needs_no_triton(tmp_path):

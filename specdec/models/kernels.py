@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec.errors import UserError
+from specdec.models import fused
 
 CHOICES = ("auto", "exact", "library")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -240,6 +241,27 @@ def on_tensor_device(launch):
     return run
 
 
+def visible_order(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """What each new token sees among the last W slots, as attention_kernel reads it: order [B, T, W]
+    int32 (window offsets of the visible slots first, in slot order) and count [B, T] int32 (how many).
+    tree_mask [B, T, W] bool (a causal block needs no tables: attention(visible=None)). In a captured
+    forward (a tree verify, an EAGLE level) its dozen small operations run as one compiled kernel. Ranks
+    come from counting over [W, W], not from cumsums (docs/design.md, "Scans in compiled code")."""
+    return fused.run(order_visible, tree_mask)
+
+
+def order_visible(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+    B, T, W = tree_mask.shape
+    earlier = torch.ones(W, W, dtype=torch.bool, device=tree_mask.device).tril(-1)  # [w, j]: slot j comes before w
+    alike = tree_mask[..., :, None] == tree_mask[..., None, :]  # [B, T, W, W]: w and j both seen, or both not
+    before = (alike & earlier).sum(-1)  # [B, T, W] slots of w's kind before it
+    count = tree_mask.sum(-1, keepdim=True)  # [B, T, 1]
+    rank = torch.where(tree_mask, before, count + before)  # seen first, then the rest, each in slot order
+    offsets = torch.arange(W, dtype=torch.int32, device=tree_mask.device).expand(B, T, W)
+    order = torch.empty(B, T, W, dtype=torch.int32, device=tree_mask.device).scatter_(-1, rank, offsets)
+    return order, count[..., 0].to(torch.int32)
+
+
 @on_tensor_device
 def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
                      inv_freq: Tensor, attention_factor: float, window: int | None, taps=None) -> Tensor:
@@ -257,7 +279,7 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
 
     B, T, D = x.shape
     positions = positions.expand(B, T).contiguous()  # [B, T]: the kernels read one position per token (an EAGLE level passes [B, 1])
-    visible = None if mask is None else ops.visible_order(mask)  # what each tree node sees, shared by the layers
+    visible = None if mask is None else visible_order(mask)  # what each tree node sees, shared by the layers
     h = x.reshape(B * T, D).contiguous()  # [M, D]
     norm_weight, eps = norm_args(layers[0].input_layernorm)
     h_in = h if norm_weight is None else ops.prenorm(h, norm_weight, eps)  # the first layer's q/k/v input

@@ -66,8 +66,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from specdec.models import fused
-
 BLOCK_T = 16  # tokens per GEMM tile (the MMA's N); many rows take wider tiles (token_tile)
 TILE_32_FROM, TILE_64_FROM = 192, 1536  # rows M from which token_tile takes 32- and 64-token tiles (measured: token_tile)
 BLOCK_Q = 16  # query heads (of one token, sharing one KV head) per attention tile
@@ -872,29 +870,11 @@ def qkv_rope_write(x: Tensor | NormedRows, weight: Tensor, bias: Tensor | None,
     return q
 
 
-def visible_order(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """What each new token sees among the last W slots, as attention_kernel reads it: order [B, T, W]
-    int32 (window offsets of the visible slots first, in slot order) and count [B, T] int32 (how many).
-    tree_mask [B, T, W] bool (a causal block needs no tables: attention(visible=None)). In a captured
-    forward (a tree verify, an EAGLE level) its dozen small operations run as one compiled kernel."""
-    return fused.run(order_visible, tree_mask)
-
-
-def order_visible(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-    B, T, W = tree_mask.shape
-    seen = tree_mask.long()  # [B, T, W]
-    count = seen.sum(-1, keepdim=True)  # [B, T, 1]
-    rank = torch.where(tree_mask, seen.cumsum(-1) - 1, count + (1 - seen).cumsum(-1) - 1)  # seen first, then the rest
-    offsets = torch.arange(W, dtype=torch.int32, device=tree_mask.device).expand(B, T, W)
-    order = torch.empty(B, T, W, dtype=torch.int32, device=tree_mask.device).scatter_(-1, rank, offsets)
-    return order, count[..., 0].to(torch.int32)
-
-
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, T: int,
               visible: tuple[Tensor, Tensor] | None = None, positions: Tensor | None = None, window: int | None = None,
               config: AttentionConfig | None = None, programs: int | None = None) -> Tensor:
     """q [M, H*Dh] (M = B*T) over caches [B, Hkv, S, Dh] holding lengths[b] + T written slots per row ->
-    [M, H*Dh]. visible: (order, count) from visible_order for a tree mask, None for a causal block;
+    [M, H*Dh]. visible: (order, count) from kernels.visible_order for a tree mask, None for a causal block;
     positions [B, T] int64 (read for a sliding window). programs: how many programs share each token's
     chunks (default: enough to fill the GPU; any value gives the same bits)."""
     B, num_kv_heads, S, head_dim = k_cache.shape
