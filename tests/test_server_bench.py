@@ -41,6 +41,7 @@ def test_bench_serve_measures_every_level(model, tmp_path):
     assert levels[0].acceptance_rate is None and levels[2].acceptance_rate is not None  # off never drafts, on does
     assert set(levels[0].steps_by_gamma) == {0} and max(levels[2].steps_by_gamma) == scheduler.policy.gamma
     assert all(0 < lv.server_ttft_mean_ms <= lv.ttft_p99_ms for lv in levels)  # the client's TTFT holds the server's
+    assert all(0 <= lv.server_queue_mean_ms < lv.server_ttft_mean_ms for lv in levels)  # the queue is part of it
     assert all(sum(lv.prefill_forwards.values()) >= 1 for lv in levels)  # each request's prompt was read
     files = write_report(tmp_path, {**report_config(plan), "model": health["model"]}, HARDWARE, levels)
     assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}

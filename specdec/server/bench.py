@@ -157,6 +157,7 @@ class LevelResult:
     waiting_after: int
     server_cancelled: int  # requests the server counted as cancelled during the level
     server_ttft_mean_ms: float | None = None  # the server's own TTFT (queued to first token handed over), mean
+    server_queue_mean_ms: float | None = None  # of which waiting for the prefill to start, mean
     steps_by_gamma: dict[int, int] = field(default_factory=dict)  # the server's decode steps over the level, by gamma
     prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
     memory: list[MemorySample] = field(default_factory=list)
@@ -503,7 +504,8 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         acceptance_rate=sum(r.accepted for r in good) / drafted if drafted else None,
         running_after=running, waiting_after=waiting,
         server_cancelled=int(end.get(cancelled, 0) - start.get(cancelled, 0)), memory=memory,
-        server_ttft_mean_ms=server_ttft_mean_ms(start, end), steps_by_gamma=steps_by_gamma(start, end),
+        server_ttft_mean_ms=histogram_mean_ms(start, end, "specdec_time_to_first_token_seconds"),
+        server_queue_mean_ms=histogram_mean_ms(start, end, "specdec_request_queue_time_seconds"), steps_by_gamma=steps_by_gamma(start, end),
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
@@ -512,10 +514,10 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
     )
 
 
-def server_ttft_mean_ms(start: dict[str, float], end: dict[str, float]) -> float | None:
-    """The mean of the server's TTFT histogram over a level: a request's time from joining the queue to its
-    first token handed to the event loop (the client's TTFT adds HTTP, tokenizing and the loop's delivery)."""
-    name = "specdec_time_to_first_token_seconds"
+def histogram_mean_ms(start: dict[str, float], end: dict[str, float], name: str) -> float | None:
+    """The mean of one of the server's histograms over a level, in ms. Its TTFT is a request's time from
+    joining the queue to its first token handed to the event loop (the client's TTFT adds HTTP, tokenizing
+    and the loop's delivery); its queue time, from joining the queue to the start of its prefill."""
     count = end.get(name + "_count", 0) - start.get(name + "_count", 0)
     return 1000 * (end.get(name + "_sum", 0) - start.get(name + "_sum", 0)) / count if count > 0 else None
 
@@ -647,7 +649,7 @@ def format_table(levels: list[LevelResult]) -> str:
     server's memory growth over the level (last sample - first, MiB)."""
     off = {lv.concurrency: lv.tokens_per_s for lv in levels if lv.policy == "off"}
     head = ["policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off",
-            "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "mean gamma", "ITL p50 ms", "ITL p99 ms", "acceptance",
+            "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "server queue ms", "mean gamma", "ITL p50 ms", "ITL p99 ms", "acceptance",
             "RSS growth MiB", "GPU alloc growth MiB", "GPU resv growth MiB"]
     rows = []
     for lv in levels:
@@ -655,7 +657,7 @@ def format_table(levels: list[LevelResult]) -> str:
         rows.append([lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok),
                      str(lv.disconnected), str(lv.lost),
                      fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
-                     fmt(lv.server_ttft_mean_ms), fmt(mean_gamma(lv.steps_by_gamma), 2),
+                     fmt(lv.server_ttft_mean_ms), fmt(lv.server_queue_mean_ms), fmt(mean_gamma(lv.steps_by_gamma), 2),
                      fmt(lv.itl_p50_ms, 2), fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3),
                      fmt(lv.rss_growth_mib), fmt(lv.gpu_allocated_growth_mib), fmt(lv.gpu_reserved_growth_mib)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]

@@ -72,6 +72,7 @@ class ServerMetrics:
         self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
         self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.queue_time = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.batch_size = Histogram(BATCH_BUCKETS)
@@ -85,6 +86,11 @@ class ServerMetrics:
     def count_prompt(self, tokens: int) -> None:
         with self.lock:
             self.prompt_tokens += tokens
+
+    def observe_queue_time(self, seconds: float) -> None:
+        """A request's wait from arrival to the start of its prefill."""
+        with self.lock:
+            self.queue_time.observe(seconds)
 
     def count_prefill(self, graphed: bool) -> None:
         with self.lock:
@@ -170,6 +176,7 @@ class ServerMetrics:
                 "# TYPE specdec_spec_policy_info gauge",
                 f'specdec_spec_policy_info{{policy="{policy}"}} 1',
                 *self.ttft.render("specdec_time_to_first_token_seconds", "Arrival to first token."),
+                *self.queue_time.render("specdec_request_queue_time_seconds", "Arrival to the start of the prefill."),
                 *self.itl.render("specdec_inter_token_latency_seconds", "Seconds per output token after the first."),
                 *self.latency.render("specdec_request_latency_seconds", "Arrival to last token of finished requests."),
                 *self.batch_size.render("specdec_batch_size", "Rows in the batch at each step."),

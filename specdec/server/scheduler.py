@@ -508,6 +508,9 @@ class Scheduler:
             self.joining = {slot: self.waiting.popleft() for slot in free[:n]}
         if not self.joining:
             return
+        now = time.monotonic()
+        for r in self.joining.values():
+            self.metrics.observe_queue_time(now - r.arrival)
         slots, requests = list(self.joining), [Request(r.prompt_ids, r.max_tokens, r.sampling, r.stop)
                                                for r in self.joining.values()]
         try:
