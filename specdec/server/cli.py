@@ -14,6 +14,7 @@ from specdec.errors import UserError
 
 SERVE_EXTRA = "pip install 'specdec[serve]'"
 PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}  # default --prefill-chunk by device type (vLLM's chunk is 2048 on a GPU)
+SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval while serving (CPython default 0.005; see run_serve)
 
 
 def add_server_commands(sub) -> None:
@@ -157,6 +158,11 @@ def run_serve(args: argparse.Namespace) -> int:
     say.setFormatter(logging.Formatter("specdec: %(message)s"))
     logging.getLogger("specdec").addHandler(say)  # the scheduler's notes (graph captures) and errors
     logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(args.log_level.upper(), args.log_level.upper()))
+    # Two busy threads share the GIL: the decode loop and the event loop writing every stream's tokens.
+    # CPython hands the GIL over every 5 ms by default; at 32 clients on an H200 (plain decoding of the
+    # default model) a 0.5 ms interval gave 9.7-10.4k tok/s and a TTFT p50 of 24-26 ms, against 8.0-8.7k
+    # and 32-33 ms at 5 ms (two runs each, one machine).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=args.host, port=args.port,
                                            log_level=args.log_level, access_log=False,
                                            timeout_graceful_shutdown=args.shutdown_timeout))
