@@ -31,8 +31,8 @@ class VerifyResult:
 
 def count_accepted(accept: Tensor, num_drafted: Tensor | None) -> Tensor:
     """accept [B, k] bool -> [B] length of the all-accepted prefix, capped at num_drafted [B]: the first
-    rejected position, k if none. A min, not a cumprod: compiled scans are avoided (docs/design.md,
-    "Scans in compiled code")."""
+    rejected position, k if none. A min, not a cumprod: a scan compiled with other work can read its own
+    results back wrong (docs/design.md, "Scans in compiled code")."""
     k = accept.shape[1]
     if k == 0:
         return accept.new_zeros(accept.shape[0], dtype=torch.long)

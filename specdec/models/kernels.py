@@ -245,7 +245,7 @@ def visible_order(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
     """What each new token sees among the last W slots, as attention_kernel reads it: order [B, T, W]
     int32 (window offsets of the visible slots first, in slot order) and count [B, T] int32 (how many).
     tree_mask [B, T, W] bool (a causal block needs no tables: attention(visible=None)). In a captured
-    forward (a tree verify, an EAGLE level) its dozen small operations run as one compiled kernel. Ranks
+    forward (a tree verify, an EAGLE level) its small operations run as one compiled kernel. Ranks
     come from counting over [W, W], not from cumsums (docs/design.md, "Scans in compiled code")."""
     return fused.run(order_visible, tree_mask)
 
