@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from specdec.server.app import SamplingFields
 from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
-                                  check_targets, client_processes, fixed_sampling, plan_request, run_load, sample_memory, sampling_fields,
+                                  check_targets, client_processes, fixed_sampling, format_medians, plan_request, run_load, sample_memory, sampling_fields,
                                   write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
@@ -127,6 +128,33 @@ def test_targets_come_from_the_measured_levels():
                                                            ("levels leaving requests running or waiting, of 2", 1, False)]
 
 
+def test_repeats_interleave_the_policies(model):
+    """--repeats N: N passes, each over every policy and concurrency in order, each level tagged with its pass."""
+    costs = measure_batch_costs(model, [1], [1, 2, 3, 4], context=16, repeats=1)
+    plan = LoadPlan(concurrency=(1,), policies=("off", "cost"), requests=2, max_tokens=4,
+                    sampling=fixed_sampling(0.0), threshold=2, repeats=2)
+    with serving(make_scheduler(model, policy="off", costs=costs), admin=True, costs=costs) as (url, _):
+        _, levels = run_load(url, KEY, PROMPTS, plan)
+    assert [(lv.repeat, lv.policy) for lv in levels] == [(0, "off"), (0, "cost"), (1, "off"), (1, "cost")]
+    assert all(lv.ok == 2 and lv.rows_freed for lv in levels)
+
+
+def test_targets_take_medians_over_interleaved_passes(tmp_path):
+    """With --repeats the targets judge each level's median over passes: one pass at 0.90x `off` does not
+    decide "cost >= off" when the other two run at 1.05 and 1.10; the report gives the passes' range."""
+    levels = [replace(lv, repeat=r) for r, (cost, ttft) in enumerate([(90, 9), (110, 12), (105, 30)])
+              for lv in (level("off", 1, 100, 10), level("cost", 1, cost, ttft))]
+    checks = {c.name: c for c in check_targets(levels)}
+    assert checks["cost / off at c=1"].value == pytest.approx(1.05) and checks["cost / off at c=1"].met
+    table = format_medians(levels)
+    assert "| cost   | 1           | 3      | 105.0           | 1.05   | 0.90-1.10" in table
+    assert "| 12.0" in table  # the cost level's median TTFT p50 (9, 12, 30)
+    plan = LoadPlan((1,), ("off", "cost"), 4, 8, fixed_sampling(0.0), 2)
+    write_report(tmp_path, report_config(plan), HARDWARE, levels)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Medians over passes" in report and "| pass | policy |" in report
+
+
 def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):
     import specdec.server.metrics as metrics
 
@@ -158,6 +186,7 @@ def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
     (["--disconnect-fraction", "-0.1"], "--disconnect-fraction must be in [0, 1)"),
     (["--sampling-mix", "--temperature", "0.5"], "--sampling-mix sets each request's temperature"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
 ])
 def test_bench_serve_argument_errors_are_one_line(capsys, argv, message):
     from specdec.cli import main

@@ -45,6 +45,7 @@ import platform
 import queue as queue_module
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -167,6 +168,7 @@ class LevelResult:
     sampling: dict[str, dict[str, int]] = field(default_factory=dict)  # set name -> {outcome: requests}
     errors: list[str] = field(default_factory=list)  # the first few
     client_processes: int = 1  # processes that drove the level's streams
+    repeat: int = 0  # which pass over the policies and concurrencies (LoadPlan.repeats)
 
     @property
     def lost(self) -> int:
@@ -188,6 +190,7 @@ class LoadPlan:
     disconnect_fraction: float = 0.0  # of each level's requests, in [0, 1)
     warmup: bool = True  # one untimed wave of `concurrency` requests before each level (see run_level)
     client_processes: int | None = None  # processes sharing a level's streams; None: client_processes()
+    repeats: int = 1  # passes over every policy x concurrency, interleaved, so drift hits every policy alike
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(LEVEL_REQUESTS[0], LEVEL_REQUESTS[1] * concurrency)
@@ -615,14 +618,16 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> t
     model, health = server_info(url, headers)
     if plan.client_processes is None and not str(health.get("device", "")).startswith("cuda"):
         plan = replace(plan, client_processes=1)  # a CPU server sends far less than one process parses, on CPUs it shares
-    total = len(plan.policies) * sum(plan.requests_at(c) for c in plan.concurrency)
+    total = plan.repeats * len(plan.policies) * sum(plan.requests_at(c) for c in plan.concurrency)
     levels = []
     with tqdm(total=total, unit="req", desc="bench-serve") as progress:
-        for policy in plan.policies:
-            switch_policy(url, headers, policy, plan.threshold)
-            for c in plan.concurrency:
-                progress.set_postfix_str(f"{policy} c={c}")
-                levels.append(asyncio.run(run_level(url, headers, model, prompts, policy, c, plan, progress)))
+        for repeat in range(plan.repeats):
+            for policy in plan.policies:
+                switch_policy(url, headers, policy, plan.threshold)
+                for c in plan.concurrency:
+                    progress.set_postfix_str(f"{policy} c={c}" + (f" pass {repeat + 1}/{plan.repeats}" if plan.repeats > 1 else ""))
+                    level = asyncio.run(run_level(url, headers, model, prompts, policy, c, plan, progress))
+                    levels.append(replace(level, repeat=repeat))
     return health, levels
 
 
@@ -647,19 +652,42 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def format_table(levels: list[LevelResult]) -> str:
     """A markdown table (readable in a terminal too), with each level's throughput against `off` and the
     server's memory growth over the level (last sample - first, MiB)."""
-    off = {lv.concurrency: lv.tokens_per_s for lv in levels if lv.policy == "off"}
-    head = ["policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off",
+    off = {(lv.repeat, lv.concurrency): lv.tokens_per_s for lv in levels if lv.policy == "off"}
+    passes = max(lv.repeat for lv in levels) + 1
+    head = [*(["pass"] if passes > 1 else []), "policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off",
             "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "server queue ms", "mean gamma", "ITL p50 ms", "ITL p99 ms", "acceptance",
             "RSS growth MiB", "GPU alloc growth MiB", "GPU resv growth MiB"]
     rows = []
     for lv in levels:
-        ratio = lv.tokens_per_s / off[lv.concurrency] if off.get(lv.concurrency) else None
-        rows.append([lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok),
+        base = off.get((lv.repeat, lv.concurrency))
+        ratio = lv.tokens_per_s / base if base else None
+        rows.append([*([str(lv.repeat + 1)] if passes > 1 else []), lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok),
                      str(lv.disconnected), str(lv.lost),
                      fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
                      fmt(lv.server_ttft_mean_ms), fmt(lv.server_queue_mean_ms), fmt(mean_gamma(lv.steps_by_gamma), 2),
                      fmt(lv.itl_p50_ms, 2), fmt(lv.itl_p99_ms, 2), fmt(lv.acceptance_rate, 3),
                      fmt(lv.rss_growth_mib), fmt(lv.gpu_allocated_growth_mib), fmt(lv.gpu_reserved_growth_mib)])
+    return markdown_table(head, rows)
+
+
+def format_medians(levels: list[LevelResult]) -> str:
+    """With several passes: per policy and concurrency, the median tok/s and TTFT p50 over passes, the
+    median against `off`'s, and the lowest and highest of the passes' own ratios to `off` (how far one
+    pass can mislead)."""
+    tok, ttft = median_by_level(levels, "tokens_per_s"), median_by_level(levels, "ttft_p50_ms")
+    off = {(lv.repeat, lv.concurrency): lv.tokens_per_s for lv in levels if lv.policy == "off"}
+    head = ["policy", "concurrency", "passes", "median tokens/s", "vs off", "passes' vs off", "median TTFT p50 ms"]
+    rows = []
+    for (policy, c), t in tok.items():
+        ratios = [lv.tokens_per_s / off[lv.repeat, c] for lv in levels
+                  if (lv.policy, lv.concurrency) == (policy, c) and off.get((lv.repeat, c))]
+        passes = sum((lv.policy, lv.concurrency) == (policy, c) for lv in levels)
+        rows.append([policy, str(c), str(passes), fmt(t), fmt(t / tok["off", c], 2) if tok.get(("off", c)) else "-",
+                     f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-", fmt(ttft.get((policy, c)))])
+    return markdown_table(head, rows)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
     def line(cells: list[str]) -> str:
@@ -673,9 +701,19 @@ def check_targets(levels: list[LevelResult]) -> list[TargetCheck]:
     return [*check_cost(levels), *check_ttft(levels), *check_requests(levels)]
 
 
+def median_by_level(levels: list[LevelResult], name: str) -> dict[tuple[str, int], float]:
+    """(policy, concurrency) -> the median over passes of a level's figure `name` (passes without it skipped)."""
+    values: dict[tuple[str, int], list[float]] = {}
+    for lv in levels:
+        if getattr(lv, name) is not None:
+            values.setdefault((lv.policy, lv.concurrency), []).append(getattr(lv, name))
+    return {key: statistics.median(v) for key, v in values.items()}
+
+
 def check_cost(levels: list[LevelResult]) -> list[TargetCheck]:
-    """Per concurrency: `cost` against `off`, and against the better of `off` and `on` where `on` ran."""
-    by = {(lv.policy, lv.concurrency): lv.tokens_per_s for lv in levels}
+    """Per concurrency: `cost` against `off`, and against the better of `off` and `on` where `on` ran
+    (medians over passes)."""
+    by = median_by_level(levels, "tokens_per_s")
     checks = []
     for c in sorted({lv.concurrency for lv in levels}):
         cost, off, on = by.get(("cost", c)), by.get(("off", c)), by.get(("on", c))
@@ -691,10 +729,12 @@ def check_cost(levels: list[LevelResult]) -> list[TargetCheck]:
 
 
 def check_ttft(levels: list[LevelResult]) -> list[TargetCheck]:
-    """Per policy: TTFT p50 at c = TTFT_TARGET_CONCURRENCY and at the largest concurrency / at c = 1."""
+    """Per policy: TTFT p50 at c = TTFT_TARGET_CONCURRENCY and at the largest concurrency / at c = 1
+    (medians over passes)."""
     checks = []
+    medians = median_by_level(levels, "ttft_p50_ms")
     for policy in dict.fromkeys(lv.policy for lv in levels):
-        p50 = {lv.concurrency: lv.ttft_p50_ms for lv in levels if lv.policy == policy and lv.ttft_p50_ms}
+        p50 = {c: t for (p, c), t in medians.items() if p == policy and t}
         if 1 not in p50:
             continue
         for c in sorted({TTFT_TARGET_CONCURRENCY, max(p50)} & p50.keys() - {1}):
@@ -766,7 +806,9 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
         "first; both over completed requests. All measured on the client, in one run. Memory growth = the "
         "server's last sample of the level - its first (MiB).", "",
         format_table(levels), "",
-        "## Targets (issue 13), from the levels above", "", *format_checks(checks), "",
+        *(["## Medians over passes", "", "Each pass ran every policy and concurrency once, in turn.", "",
+            format_medians(levels), ""] if max(lv.repeat for lv in levels) else []),
+        "## Targets (issue 13), from the levels above (medians over passes)", "", *format_checks(checks), "",
         "## Requests", "", *request_lines(levels),
         *[f"- {lv.policy} c={lv.concurrency}: {e}" for lv in levels for e in lv.errors],
         "", "## Server memory", "",

@@ -65,6 +65,8 @@ def add_server_commands(sub) -> None:
     b.add_argument("--context", type=int, default=1024, help="server tokens per request, prompt + max_tokens")
     b.add_argument("--prefill-chunk", type=int, default=None,
                    help="server: most prompt tokens read between two decode steps (default: the server's)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="passes over every policy and concurrency, interleaved; targets use the medians (default 1)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--client-processes", type=int, default=None,
                    help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
@@ -194,8 +196,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     from dataclasses import asdict
 
-    from specdec.server.bench import (SAMPLING_MIX, LoadPlan, check_targets, fixed_sampling, format_checks, format_table,
-                                      hardware, local_server, prompts_for, run_load, write_report)
+    from specdec.server.bench import (SAMPLING_MIX, LoadPlan, check_targets, fixed_sampling, format_checks, format_medians,
+                                      format_table, hardware, local_server, prompts_for, run_load, write_report)
     from specdec.server.policy import check_policy
 
     if not args.concurrency or min(args.concurrency) < 1:
@@ -212,13 +214,15 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 <= args.disconnect_fraction < 1:
         raise UserError(f"--disconnect-fraction must be in [0, 1), got {args.disconnect_fraction}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {args.repeats}")
     if args.client_processes is not None and args.client_processes < 1:
         raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
     prompts = prompts_for(args.task, args.limit)
     sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
     plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, sampling,
                     args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup,
-                    client_processes=args.client_processes)
+                    client_processes=args.client_processes, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.url:
@@ -240,14 +244,17 @@ def run_bench_serve(args: argparse.Namespace) -> int:
               "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "sampling": [asdict(s) for s in sampling],
               "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
-              "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency]}
+              "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency],
+              "repeats": args.repeats}
     files = write_report(out, config, hardware(health), levels)
     lost = sum(lv.lost for lv in levels)
     if args.json:
         print(files[0].read_text())
     else:
         print(format_table(levels))
-        print("\nTargets (issue 13):", *format_checks(check_targets(levels)), sep="\n")
+        if args.repeats > 1:
+            print("\nMedians over passes:", format_medians(levels), sep="\n")
+        print("\nTargets (issue 13, medians over passes):", *format_checks(check_targets(levels)), sep="\n")
         print(f"\n{sum(lv.requests for lv in levels)} requests: {sum(lv.ok for lv in levels)} ok, "
               f"{sum(lv.disconnected for lv in levels)} disconnected, {lost} lost or malformed; "
               f"wrote {', '.join(map(str, files))}")
