@@ -12,8 +12,8 @@ import pytest
 
 from specdec.server.app import SamplingFields
 from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
-                                  check_targets, client_processes, fixed_sampling, format_medians, plan_request, run_load, sample_memory, sampling_fields,
-                                  write_report)
+                                  check_targets, client_processes, fixed_sampling, format_medians, plan_request, run_load,
+                                  sample_memory, sampling_fields, write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)

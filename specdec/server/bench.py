@@ -508,7 +508,8 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         running_after=running, waiting_after=waiting,
         server_cancelled=int(end.get(cancelled, 0) - start.get(cancelled, 0)), memory=memory,
         server_ttft_mean_ms=histogram_mean_ms(start, end, "specdec_time_to_first_token_seconds"),
-        server_queue_mean_ms=histogram_mean_ms(start, end, "specdec_request_queue_time_seconds"), steps_by_gamma=steps_by_gamma(start, end),
+        server_queue_mean_ms=histogram_mean_ms(start, end, "specdec_request_queue_time_seconds"),
+        steps_by_gamma=steps_by_gamma(start, end),
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
@@ -625,7 +626,8 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> t
             for policy in plan.policies:
                 switch_policy(url, headers, policy, plan.threshold)
                 for c in plan.concurrency:
-                    progress.set_postfix_str(f"{policy} c={c}" + (f" pass {repeat + 1}/{plan.repeats}" if plan.repeats > 1 else ""))
+                    which = f" pass {repeat + 1}/{plan.repeats}" if plan.repeats > 1 else ""
+                    progress.set_postfix_str(f"{policy} c={c}{which}")
                     level = asyncio.run(run_level(url, headers, model, prompts, policy, c, plan, progress))
                     levels.append(replace(level, repeat=repeat))
     return health, levels
@@ -652,16 +654,18 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def format_table(levels: list[LevelResult]) -> str:
     """A markdown table (readable in a terminal too), with each level's throughput against `off` and the
     server's memory growth over the level (last sample - first, MiB)."""
-    off = {(lv.repeat, lv.concurrency): lv.tokens_per_s for lv in levels if lv.policy == "off"}
-    passes = max(lv.repeat for lv in levels) + 1
-    head = [*(["pass"] if passes > 1 else []), "policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost", "tokens/s", "vs off",
-            "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "server queue ms", "mean gamma", "ITL p50 ms", "ITL p99 ms", "acceptance",
+    off = off_by_pass(levels)
+    several = max(lv.repeat for lv in levels) > 0
+    head = [*(["pass"] if several else []), "policy", "concurrency", "client procs", "sent", "ok", "disconnected", "lost",
+            "tokens/s", "vs off", "TTFT p50 ms", "TTFT p99 ms", "server TTFT ms", "server queue ms", "mean gamma",
+            "ITL p50 ms", "ITL p99 ms", "acceptance",
             "RSS growth MiB", "GPU alloc growth MiB", "GPU resv growth MiB"]
     rows = []
     for lv in levels:
         base = off.get((lv.repeat, lv.concurrency))
         ratio = lv.tokens_per_s / base if base else None
-        rows.append([*([str(lv.repeat + 1)] if passes > 1 else []), lv.policy, str(lv.concurrency), str(lv.client_processes), str(lv.requests), str(lv.ok),
+        rows.append([*([str(lv.repeat + 1)] if several else []), lv.policy, str(lv.concurrency),
+                     str(lv.client_processes), str(lv.requests), str(lv.ok),
                      str(lv.disconnected), str(lv.lost),
                      fmt(lv.tokens_per_s), fmt(ratio, 2), fmt(lv.ttft_p50_ms), fmt(lv.ttft_p99_ms),
                      fmt(lv.server_ttft_mean_ms), fmt(lv.server_queue_mean_ms), fmt(mean_gamma(lv.steps_by_gamma), 2),
@@ -670,12 +674,17 @@ def format_table(levels: list[LevelResult]) -> str:
     return markdown_table(head, rows)
 
 
+def off_by_pass(levels: list[LevelResult]) -> dict[tuple[int, int], float]:
+    """(pass, concurrency) -> `off`'s tok/s: what each level is compared with, in its own pass."""
+    return {(lv.repeat, lv.concurrency): lv.tokens_per_s for lv in levels if lv.policy == "off"}
+
+
 def format_medians(levels: list[LevelResult]) -> str:
     """With several passes: per policy and concurrency, the median tok/s and TTFT p50 over passes, the
     median against `off`'s, and the lowest and highest of the passes' own ratios to `off` (how far one
     pass can mislead)."""
     tok, ttft = median_by_level(levels, "tokens_per_s"), median_by_level(levels, "ttft_p50_ms")
-    off = {(lv.repeat, lv.concurrency): lv.tokens_per_s for lv in levels if lv.policy == "off"}
+    off = off_by_pass(levels)
     head = ["policy", "concurrency", "passes", "median tokens/s", "vs off", "passes' vs off", "median TTFT p50 ms"]
     rows = []
     for (policy, c), t in tok.items():
