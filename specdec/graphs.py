@@ -74,8 +74,10 @@ class GraphedModel:
         return self.graphs[key]
 
 
-PREFILL_GRAPH_TOKENS = 4096  # rows x positions of the largest prefill captured (its scratch cache's slots) ...
-PREFILL_GRAPH_BYTES = 64 << 20  # ... and at most this much scratch cache: a larger model's prefill is GPU-bound anyway
+PREFILL_GRAPH_TOKENS = 16384  # rows x positions of the largest prefill captured (its scratch cache's slots): a GPU
+# server's chunk (8192 tokens) padded to powers of two in rows and positions, so that a burst of requests is read in
+# one replay instead of one per decode turn ...
+PREFILL_GRAPH_BYTES = 512 << 20  # ... and at most this much scratch cache: a larger model's prefill is GPU-bound anyway
 MIN_SPAN = 16
 
 
@@ -100,8 +102,14 @@ class PrefillGraphs:
     scratch cache is a view of one buffer of `max_tokens` slots, and one prefill is read at a time.
     `aux_layers`: the drafter's target_features (step.py), which every captured forward returns too."""
 
-    def __init__(self, model, max_tokens: int | None = None, aux_layers: tuple[int, ...] | None = None) -> None:
-        self.model, self.max_tokens = model, max_tokens or prefill_graph_tokens(model)
+    def __init__(self, model, max_tokens: int | None = None, aux_layers: tuple[int, ...] | None = None,
+                 max_rows: int | None = None, max_span: int | None = None) -> None:
+        """max_rows, max_span: the most prompts a prefill reads together and the longest prompt (the batch's
+        slots and a row's context), which bound the shapes captured and the scratch cache."""
+        self.max_tokens = max_tokens or prefill_graph_tokens(model)
+        if max_rows and max_span:
+            self.max_tokens = min(self.max_tokens, next_power_of_2(max_rows) * max(MIN_SPAN, next_power_of_2(max_span)))
+        self.model, self.max_span = model, max_span
         self.aux_args = aux_args(aux_layers)
         self.slots: KVCache | None = None  # [L, 1, H, max_tokens, Dh], viewed per shape (allocated by the first capture)
         self.graphs: dict[tuple[int, int], PrefillGraph] = {}
@@ -115,7 +123,8 @@ class PrefillGraphs:
     def shapes(self, max_rows: int) -> list[tuple[int, int]]:
         """Every (R, S) up to max_rows rows, for capturing ahead."""
         rows = [1 << i for i in range(next_power_of_2(max_rows).bit_length())]
-        spans = [MIN_SPAN << i for i in range(self.max_tokens.bit_length())]
+        longest = max(MIN_SPAN, next_power_of_2(self.max_span)) if self.max_span else self.max_tokens
+        spans = [MIN_SPAN << i for i in range(self.max_tokens.bit_length()) if MIN_SPAN << i <= longest]
         return [(R, S) for R in rows for S in spans if R * S <= self.max_tokens]
 
     def scratch(self, key: tuple[int, int]) -> KVCache:

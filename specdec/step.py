@@ -397,7 +397,8 @@ class Stepper:
         self.pipelined = graphs and drafter.graphable  # a host drafter's propose needs the last step's outcome
         self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self.prefill_graphs = PrefillGraphs(target, aux_layers=self.aux_layers) if graphs and graphs_prefill(target) else None
+        self.prefill_graphs = (PrefillGraphs(target, aux_layers=self.aux_layers, max_rows=batch.capacity, max_span=cache.max_len)
+                               if graphs and graphs_prefill(target) else None)
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape

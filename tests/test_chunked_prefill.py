@@ -178,7 +178,7 @@ def test_a_burst_is_read_in_groups_that_one_prefill_graph_holds(models):  # noqa
     ops = BatchOps(target, build_drafter("none", target), 8, 128, None)
     assert ops.group_size([20] * 6, chunk=512) == 6  # no prefill graphs (a CPU): one group
     graphs = PrefillGraphs.__new__(PrefillGraphs)  # only its shape rule: rows and positions padded to powers of two
-    graphs.max_tokens = 64
+    graphs.max_tokens, graphs.max_span = 64, None
     ops.full.prefill_graphs = graphs
     assert ops.group_size([20, 20, 20, 20], chunk=512) == 2  # 2 rows x 32 positions fill the 64 tokens
     assert ops.group_size([10, 30, 12], chunk=512) == 2  # the second prompt widens the shape to 2 x 32

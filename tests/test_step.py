@@ -130,12 +130,15 @@ def test_graph_replay_equals_eager_steps(models, name, temperature):  # noqa: F8
 
 def test_prefill_graph_shapes_pad_to_powers_of_two_within_the_budget():
     graphs = PrefillGraphs.__new__(PrefillGraphs)
-    graphs.max_tokens = 4096
+    graphs.max_tokens, graphs.max_span = 4096, None
     assert graphs.shape(3, 35) == (4, 64) and graphs.shape(1, 5) == (1, 16) and graphs.shape(64, 64) == (64, 64)
     assert graphs.shape(64, 65) is None and graphs.shape(1, 4097) is None  # past the budget: eager
     shapes = graphs.shapes(6)
     assert (8, 512) in shapes and (16, 16) not in shapes and all(R * S <= 4096 for R, S in shapes)
     assert all(graphs.shape(rows, longest) in shapes for rows in range(1, 7) for longest in (1, 16, 17, 500))
+    graphs.max_span = 300  # a row's context: no prompt is longer, so no wider shape is captured
+    assert max(S for _, S in graphs.shapes(6)) == 512 and (1, 512) in graphs.shapes(6)
+    assert all(graphs.shape(rows, longest) in graphs.shapes(6) for rows in range(1, 7) for longest in (1, 17, 300))
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")

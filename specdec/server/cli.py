@@ -13,8 +13,21 @@ from pathlib import Path
 from specdec.errors import UserError
 
 SERVE_EXTRA = "pip install 'specdec[serve]'"
-PREFILL_CHUNK = {"cuda": 2048, "cpu": 512}  # default --prefill-chunk by device type (vLLM's chunk is 2048 on a GPU)
+# default --prefill-chunk: vLLM's API server reads 8192 tokens per step on GPUs of 70 GiB or more, 2048 on smaller ones
+PREFILL_CHUNK = {"large-gpu": 8192, "cuda": 2048, "cpu": 512}
+LARGE_GPU_BYTES = 70 << 30
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over interval while serving (CPython default 0.005; see run_serve)
+
+
+def default_prefill_chunk(device) -> int:
+    """Prompt tokens read between two decode steps: a large GPU reads a burst of prompts in one forward (the
+    time a step waits for it is a few milliseconds), a smaller GPU or a CPU in several."""
+    if device.type != "cuda":
+        return PREFILL_CHUNK["cpu"]
+    import torch
+
+    large = torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES
+    return PREFILL_CHUNK["large-gpu" if large else "cuda"]
 
 
 def add_server_commands(sub) -> None:
@@ -30,8 +43,8 @@ def add_server_commands(sub) -> None:
     s.add_argument("--context", type=int, default=None, help="tokens per request, prompt + max_tokens (default: the model's, at most 2048)")
     s.add_argument("--prefill-chunk", type=int, default=None,
                    help="most prompt tokens read between two decode steps (new requests do not stall running ones); "
-                        f"default {PREFILL_CHUNK['cuda']} on a GPU, where an eager prefill forward costs its launches "
-                        f"more than its tokens, {PREFILL_CHUNK['cpu']} on a CPU")
+                        f"default {PREFILL_CHUNK['large-gpu']} on a GPU of 70 GiB or more (a burst of requests is "
+                        f"read at once), {PREFILL_CHUNK['cuda']} on a smaller one, {PREFILL_CHUNK['cpu']} on a CPU")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that gives none")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -142,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
         costs = measure_batch_costs(target, *cost_grid(args.max_batch, widths))
     policy = SpecPolicy(args.spec_policy, args.gamma, args.spec_threshold, costs, widths=widths)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
-                             prefill_chunk=args.prefill_chunk or PREFILL_CHUNK.get(target.norm.weight.device.type, 512))
+                             prefill_chunk=args.prefill_chunk or default_prefill_chunk(target.norm.weight.device))
     ops = partial(MirroredOps, shard) if shard.parallel else BatchOps  # under TP, rank 0 decides, the others follow
     scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config, ops=ops)
     if shard.rank > 0:
