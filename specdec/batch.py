@@ -28,6 +28,7 @@ from torch import Tensor
 from specdec.config import SamplingParams
 from specdec.metrics import SpecStats
 from specdec.sampling import RowSampling, seed_of
+from specdec.transfer import fill_slot, to_device
 
 FINISH_CODES = {0: None, 1: "eos", 2: "length"}  # what the device decides; "stop" is the host's
 
@@ -123,28 +124,28 @@ class RowBatch:
             if slot in self.rows:
                 raise ValueError(f"slot {slot} is taken")
             n = len(request.prompt)
-            self.tokens[slot, :n] = torch.tensor(request.prompt, dtype=torch.long)
+            self.tokens[slot, :n].copy_(to_device(request.prompt, self.device))
             rows.append(Row(slot, request, seed_of(request.sampling.seed)))
             self.rows[slot] = rows[-1]
-        index = torch.tensor(slots, device=self.device)
-        lengths = [len(r.prompt) for r in requests]
-        self.length[index] = torch.tensor(lengths, device=self.device)
-        self.prompt_length[index] = torch.tensor(lengths, device=self.device)
-        self.limit[index] = torch.tensor([n + r.max_new_tokens for n, r in zip(lengths, requests)], device=self.device)
-        self.seed[index] = torch.tensor([r.seed for r in rows], device=self.device)
-        self.draws[index] = 0
-        self.stop_at_eos[index] = torch.tensor([r.stop_at_eos for r in requests], device=self.device)
+        index = to_device(slots, self.device)
+        lengths = to_device([len(r.prompt) for r in requests], self.device)
+        self.length[index] = lengths
+        self.prompt_length[index] = lengths
+        self.limit[index] = lengths + to_device([r.max_new_tokens for r in requests], self.device)
+        self.seed[index] = to_device([r.seed for r in rows], self.device)
+        self.draws.index_fill_(0, index, 0)
+        self.stop_at_eos[index] = to_device([r.stop_at_eos for r in requests], self.device, torch.bool)
         given = RowSampling.of([r.sampling for r in requests], self.device)
         for name in ("temperature", "top_k", "top_p", "min_p"):
             getattr(self.sampling, name)[index] = getattr(given, name)
-        self.active[index] = True
+        self.active.index_fill_(0, index, True)
         return rows
 
     def release(self, slot: int) -> Row:
         """Free a slot (finished, cancelled or failed): it drafts and emits nothing from the next step on.
         Host-side drafter state (a dict keyed by slot, see head_of) goes with it; device state stays
         until a new row joins the slot, unread meanwhile."""
-        self.active[slot] = False
+        fill_slot(self.active, slot, False)
         if isinstance(self.draft, dict):
             self.draft.pop(slot, None)
         return self.rows.pop(slot)
@@ -152,7 +153,7 @@ class RowBatch:
     def finish(self, row: Row, reason: str) -> None:
         """The host ended a row (a stop string, a cancelled request): stop it on the device too."""
         row.finish_reason = reason
-        self.active[row.slot] = False
+        fill_slot(self.active, row.slot, False)
 
 
 PER_SLOT = ("tokens", "length", "prompt_length", "limit", "active", "gamma", "seed", "draws", "stop_at_eos")

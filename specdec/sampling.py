@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from specdec.config import SamplingParams
+from specdec.transfer import to_device
 
 # ---- Counter-based random numbers -------------------------------------------------------------------
 # splitmix64 (Steele et al. 2014), emulated with torch int64: addition, multiplication and xor wrap
@@ -90,7 +91,7 @@ class RowSampling:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
         def column(name: str, dtype: torch.dtype) -> Tensor:
-            return torch.tensor([getattr(s, name) for s in params], dtype=dtype, device=device)
+            return to_device([getattr(s, name) for s in params], torch.device(device), dtype)
 
         return cls(column("temperature", torch.float32), column("top_k", torch.long),
                    column("top_p", torch.float32), column("min_p", torch.float32))

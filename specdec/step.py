@@ -47,6 +47,7 @@ from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import kernel_path
 from specdec.models.llama import ModelOutput, aux_args
 from specdec.sampling import logits_to_probs, sample, uniforms
+from specdec.transfer import to_device
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
 # What the host reads back per slot, after the D+1 emitted tokens.
@@ -424,8 +425,8 @@ class Stepper:
         batch = self.batch
         rows = batch.occupy(slots, requests)
         order = sorted(range(len(rows)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
-        index = torch.tensor([slots[i] for i in order], device=self.device)  # [n]
-        batch.active[index] = False
+        index = to_device([slots[i] for i in order], self.device)  # [n]
+        batch.active.index_fill_(0, index, False)
         lengths = [len(requests[i].prompt) for i in order]
         graph = self.prefill_graph(len(rows), lengths[0], chunk)
         scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
@@ -447,7 +448,7 @@ class Stepper:
         m, start = p.left, p.done
         width = p.lengths[0] - start if p.chunk is None else min(p.lengths[0] - start, p.chunk // m)
         block = self.batch.tokens[p.index[:m], start : start + width]  # [m, w]
-        last = (torch.tensor(p.lengths[:m], device=dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
+        last = (to_device(p.lengths[:m], dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
         if p.graph is not None:  # the whole prompts, in one replay
             out = self.prefill_graphs.forward(p.graph, block, last)
         else:
@@ -471,17 +472,17 @@ class Stepper:
         self.cache.k[:, index, :, :T] = p.scratch.k[:, lo:hi, :, :T]
         self.cache.v[:, index, :, :T] = p.scratch.v[:, lo:hi, :, :T]
         self.cache.lengths[index] = batch.prompt_length[index]
-        batch.active[index] = True
+        batch.active.index_fill_(0, index, True)
         rows = p.rows[lo:hi]
         emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=self.device)
         emitted[index, 0] = sample_first(batch, index, logits, all(r.request.sampling.greedy for r in rows))
         joining = torch.zeros(batch.capacity, dtype=torch.long, device=self.device)
-        joining[index] = 1
+        joining.index_fill_(0, index, 1)
         kept, finish = append(batch, emitted, joining)
         self.drafter.join(batch, index, p.hidden[lo:hi, :T])
         zeros = torch.zeros_like(kept)
         packed = torch.cat([emitted, torch.stack([kept, zeros, zeros, zeros, finish], dim=1)], dim=1)
-        self.absorb(packed.tolist(), only={r.slot for r in rows})
+        self.absorb(read_host(packed), only={r.slot for r in rows})
         return rows
 
     def reset(self) -> None:
@@ -667,6 +668,18 @@ class Stepper:
                 row.finish_reason = FINISH_CODES[finish]
             steps.append(RowStep(row, new, drafted, accepted))
         return steps
+
+
+def read_host(t: Tensor) -> list:
+    """t's values on the host, once every kernel queued before has run: the deliberate wait of a read,
+    through an event (as a step's outcome is read), not a synchronous copy."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    host = t.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
 
 
 def new_stepper(target, drafter: Drafter, capacity: int, max_len: int, eos_ids: list[int],

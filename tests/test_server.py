@@ -539,6 +539,39 @@ def test_a_pipelined_step_that_finishes_rows_while_the_bucket_shrinks(model, tmp
     assert [outputs[i] for i in outputs] == [row.token_ids[:n] for row, n in zip(expected.rows, lengths)]
 
 
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the waits are CUDA's")
+@pytest.mark.parametrize("drafter", ["none", "eagle", "medusa"])
+def test_the_decode_loop_waits_for_the_device_only_to_read(model, drafter, caplog):
+    """specdec/transfer.py: a host value written into a device tensor through indexing waits for every
+    queued kernel, so with a step in flight the host would stall for the rest of it. Under torch's sync
+    debug mode, where such a wait raises, rows join in groups, finish at different steps, opt out of
+    speculation, sample and end at a stop string while the pipelined batch runs: no turn fails."""
+    scheduler = make_scheduler(model, drafter=make_drafter(drafter, model, None), max_batch=4)
+    errors, finished = [], threading.Semaphore(0)
+
+    def emit(event: Event) -> None:
+        if event.error is not None:
+            errors.append(event.error)
+        if event.final:
+            finished.release()
+
+    jobs = [GenerationRequest(model.tokenizer(PROMPTS[i % 3])["input_ids"], 8 + 5 * i,
+                              SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i), ("e",) if i == 4 else (), emit,
+                              speculate=i % 3 != 2) for i in range(9)]
+    scheduler.start()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for job in jobs:
+            scheduler.submit(job)
+        assert all(finished.acquire(timeout=120) for _ in jobs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        scheduler.stop()
+    assert scheduler.ops.stepper(4).pipelined
+    logged = [caplog.handler.format(r) for r in caplog.records if r.name.startswith("specdec")]
+    assert not errors and not logged, (errors, logged)
+
+
 def test_disconnect_cancels_the_request_and_frees_its_row(server):
     url, scheduler = server
     before = metrics(url)

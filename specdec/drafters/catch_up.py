@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from specdec.kv_cache import KVCache
+from specdec.transfer import to_device
 
 # The widest gap fed to every slot in one forward, padded to the widest row's gap: a drafting step's
 # (EAGLE: the accepted drafts and one more; a draft model: one or two tokens), or a few gamma-0 steps.
@@ -62,7 +63,7 @@ def feed_gaps(cache: KVCache, gap: Tensor, feed: Feed) -> Tensor | None:
             gaps[b] = 0
     width = max(gaps)
     if width:
-        short = torch.tensor(gaps, device=gap.device)  # [B]
+        short = to_device(gaps, gap.device)  # [B]
         start = cache.lengths.clone()  # [B]
         positions = start[:, None] + torch.arange(width, device=gap.device)  # [B, w]
         last = feed(cache, slice(None), positions, (short - 1).clamp(min=0))  # [B, X]

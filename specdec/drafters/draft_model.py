@@ -96,7 +96,7 @@ class DraftModelDrafter:
         """Lazy: nothing fed yet. Eager: run the draft over the new rows' prompts (into a scratch cache), then
         copy that into their slots."""
         if catches_up(batch):
-            batch.draft.lengths[slots] = 0
+            batch.draft.lengths.index_fill_(0, slots, 0)
             return
         lengths = batch.prompt_length[slots]  # [n]
         T = hidden.shape[1]

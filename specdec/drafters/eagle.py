@@ -119,9 +119,9 @@ class EagleDrafter:
         n, T = hidden.shape[:2]
         if state.features is not None:
             state.features[slots, :T] = hidden.to(state.features.dtype)
-            state.cache.lengths[slots] = 0
+            state.cache.lengths.index_fill_(0, slots, 0)
             return
-        scratch = self.head.new_cache(n, T)
+        scratch = self.head.new_cache(n, T, static=True)  # its T slots are all written: no overflow check (a host wait)
         positions = torch.arange(T, device=hidden.device).expand(n, T)
         out = self.head.features(self.head.project(hidden), batch.tokens[slots, 1 : T + 1], positions, scratch)  # [n, T, D]
         state.cache.k[:, slots, :, :T] = scratch.k

@@ -56,6 +56,7 @@ from specdec.errors import first_line
 from specdec.server.metrics import ServerMetrics
 from specdec.server.policy import Acceptance, SpecPolicy
 from specdec.step import Prefill, Stepper, StepReport, new_stepper
+from specdec.transfer import to_device
 
 log = logging.getLogger("specdec.server")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -285,7 +286,7 @@ class BatchOps:
         """Launch a step of the first n slots at `gamma`; the `quiet` slots draft nothing."""
         self.batch.gamma.fill_(gamma)
         if quiet:
-            self.batch.gamma[quiet] = 0
+            self.batch.gamma.index_fill_(0, to_device(quiet, self.batch.device), 0)
         self.stepper(n).launch(gamma)
 
     def read(self, n: int) -> StepReport:
