@@ -249,6 +249,8 @@ class Launched:
     watch: Stopwatch
     record: StepRecord | None
     gamma: int  # what the step ran at (0 where the drafter proposed nothing at the gamma asked)
+    rows: dict[int, Row] = field(default_factory=dict)  # the rows at launch: a slot freed and taken again
+    # before the step is read (a server admits rows while a step is in flight) holds a row it did not run
 
 
 @dataclass
@@ -482,7 +484,7 @@ class Stepper:
         self.drafter.join(batch, index, p.hidden[lo:hi, :T])
         zeros = torch.zeros_like(kept)
         packed = torch.cat([emitted, torch.stack([kept, zeros, zeros, zeros, finish], dim=1)], dim=1)
-        self.absorb(read_host(packed), only={r.slot for r in rows})
+        self.absorb(read_host(packed), {r.slot: r for r in rows})
         return rows
 
     def reset(self) -> None:
@@ -532,6 +534,7 @@ class Stepper:
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
         launched = self.copy_out(out, watch, gamma)
+        launched.rows = dict(batch.rows)
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)
@@ -636,20 +639,20 @@ class Stepper:
         self.times.draft_s += draft_s
         self.times.verify_s += verify_s
         self.times.steps += 1
-        report = StepReport(self.absorb(launched.host.tolist()), draft_s, verify_s, launched.gamma)
+        report = StepReport(self.absorb(launched.host.tolist(), launched.rows), draft_s, verify_s, launched.gamma)
         if launched.done is not None:  # read: its pinned buffer can take a later step's outcome
             self.spare_host.setdefault(tuple(launched.host.shape), []).append(launched.host)
         self.times.wait_s += waited - t
         self.times.host_s += time.perf_counter() - waited
         return report
 
-    def absorb(self, packed: list[list[int]], only: set[int] | None = None) -> list[RowStep]:
-        """Append each running row's emitted tokens, apply stop strings, count the step, note finishes.
-        `packed` covers this stepper's slots; rows beyond them (a view of the first slots, while a row
-        further on is being prefilled) took no part."""
+    def absorb(self, packed: list[list[int]], rows: dict[int, Row]) -> list[RowStep]:
+        """Append the emitted tokens of each of `rows` (by slot) still in the batch and running, apply stop
+        strings, count the step, note finishes. `packed` covers this stepper's slots; rows beyond them (a
+        view of the first slots, while a row further on is being prefilled) took no part."""
         steps = []
         for slot, row in self.batch.rows.items():
-            if row.finished or slot >= len(packed) or (only is not None and slot not in only):
+            if row.finished or slot >= len(packed) or rows.get(slot) is not row:
                 continue
             values = packed[slot]
             D = len(values) - 5

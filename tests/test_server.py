@@ -545,19 +545,24 @@ def test_the_decode_loop_waits_for_the_device_only_to_read(model, drafter, caplo
     """specdec/transfer.py: a host value written into a device tensor through indexing waits for every
     queued kernel, so with a step in flight the host would stall for the rest of it. Under torch's sync
     debug mode, where such a wait raises, rows join in groups, finish at different steps, opt out of
-    speculation, sample and end at a stop string while the pipelined batch runs: no turn fails."""
+    speculation, sample and end at a stop string while the pipelined batch runs: no turn fails. Rows are
+    admitted while a step is in flight, into slots that rows of that step just left: the greedy ones
+    still equal plain decoding (a step's outcome goes only to the rows it ran)."""
     scheduler = make_scheduler(model, drafter=make_drafter(drafter, model, None), max_batch=4)
-    errors, finished = [], threading.Semaphore(0)
+    errors, finished, tokens = [], threading.Semaphore(0), {}
 
-    def emit(event: Event) -> None:
-        if event.error is not None:
-            errors.append(event.error)
-        if event.final:
-            finished.release()
+    def emit_to(i: int):
+        def emit(event: Event) -> None:
+            tokens.setdefault(i, []).extend(event.token_ids)
+            if event.error is not None:
+                errors.append(event.error)
+            if event.final:
+                finished.release()
+        return emit
 
-    jobs = [GenerationRequest(model.tokenizer(PROMPTS[i % 3])["input_ids"], 8 + 5 * i,
-                              SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i), ("e",) if i == 4 else (), emit,
-                              speculate=i % 3 != 2) for i in range(9)]
+    prompts = [model.tokenizer(PROMPTS[i % 3])["input_ids"] for i in range(9)]
+    jobs = [GenerationRequest(prompts[i], 8 + 5 * i, SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i),
+                              ("e",) if i == 5 else (), emit_to(i), speculate=i % 3 != 2) for i in range(9)]
     scheduler.start()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -570,6 +575,9 @@ def test_the_decode_loop_waits_for_the_device_only_to_read(model, drafter, caplo
     assert scheduler.ops.stepper(4).pipelined
     logged = [caplog.handler.format(r) for r in caplog.records if r.name.startswith("specdec")]
     assert not errors and not logged, (errors, logged)
+    plain = SpecEngine(model, "none").generate(prompts[:3], SpecConfig(max_new_tokens=48)).rows
+    for i in range(0, 9, 2):  # the greedy ones (none has a stop string)
+        assert tokens[i] == plain[i % 3].token_ids[: len(tokens[i])] and len(tokens[i]) in (8 + 5 * i, len(plain[i % 3].token_ids))
 
 
 def test_disconnect_cancels_the_request_and_frees_its_row(server):

@@ -454,13 +454,16 @@ class Scheduler:
 
     def turn(self) -> None:
         """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready.
-        With CUDA graphs and nothing joining, a step is launched before the last one is read (`step`)."""
+        With CUDA graphs and nothing joining, a step is launched before the last one is read (`step`). A
+        prefill does not wait for the host to read the step in flight: it is queued behind that step on the
+        device, and the step's outcome goes only to the rows it ran (`Launched.rows`), though a slot freed
+        meanwhile may hold a new row by then."""
         try:
             self.drop_cancelled()
-            if self.waiting or self.ops.prefill is not None:
-                self.drain()  # rows are about to join: every launched step is read first
             self.admit()
             if self.ops.prefill is not None:
+                for launch in self.launched:
+                    launch.timed = False  # its read waits for the prefill too
                 self.read_chunk()
                 self.hand_over()  # first tokens go out before the step
             if self.running:
@@ -592,7 +595,8 @@ class Scheduler:
         report = self.ops.read(launch.n)
         now = time.perf_counter()
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
-            self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
+            if launch.timed:
+                self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
             self.absorb_reports([report], launch.gamma)
         self.last_read = now
         self.remove_finished()
@@ -730,6 +734,7 @@ class Launch:
     n: int  # its stepper's slots (a bucket)
     gamma: int  # as asked: the rows' draft budgets (the step reports the gamma it ran, for its time)
     start: float
+    timed: bool = True  # False: a prefill ran while it was in flight, so its read times both
 
 
 @dataclass
