@@ -31,9 +31,9 @@ becomes compute-bound and every rejected draft token is work taken from other re
   where drafting never pays (a full batch on a CPU) exploring costs next to nothing; a change of
   choice on its own resets the wait. Choices, runs and waits are kept per bucket (`Exploration`): a
   batch that drains between bursts steps through the small buckets, where drafting pays, and with one
-  shared record each such pass reset the full bucket's wait, so a CPU at 4-16 clients explored every
-  64 steps and lost 3-6 % to `off`. It never explores a drafting shape whose verify forward or measured steps
-  cost g + 1 plain ones or more (`could_pay`): not even perfect acceptance would pay there.
+  shared record each such pass restarted the full bucket's wait (docs/design.md, "Pricing a step"). It
+  never explores a drafting shape whose verify forward or measured steps cost g + 1 plain ones or more
+  (`could_pay`): not even perfect acceptance would pay there.
 """
 
 from __future__ import annotations
