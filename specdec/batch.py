@@ -31,6 +31,9 @@ from specdec.sampling import RowSampling, seed_of
 from specdec.transfer import fill_slot, to_device
 
 FINISH_CODES = {0: None, 1: "eos", 2: "length"}  # what the device decides; "stop" is the host's
+# The smallest top-k bound a step runs with (RowSampling.max_top_k): every top_k of 1-64 (the usual 20, 40, 50)
+# shares one step shape, which a server captures before serving (docs/design.md, "Captured before serving").
+TOP_K_BOUND = 64
 
 
 @dataclass(frozen=True)
@@ -93,12 +96,12 @@ class RowBatch:
         return self.tokens.shape[1]
 
     def sampling_mode(self) -> tuple[bool, int]:
-        """(whether a running row samples, a power-of-two bound on their top_k, 0 when none uses top-k):
-        what a step's shape depends on. An all-greedy step verifies without probabilities; the bound
-        lets top-k filtering run as one torch.topk (RowSampling.max_top_k)."""
+        """(whether a running row samples, a bound on their top_k: TOP_K_BOUND or the power of two above,
+        0 when none uses top-k): what a step's shape depends on. An all-greedy step verifies without
+        probabilities; the bound lets top-k filtering run as one torch.topk (RowSampling.max_top_k)."""
         sampled = [r.request.sampling for r in self.rows.values() if not r.finished and not r.request.sampling.greedy]
         top_k = max((p.top_k for p in sampled), default=0)
-        return bool(sampled), 1 << (top_k - 1).bit_length() if top_k else 0
+        return bool(sampled), max(TOP_K_BOUND, 1 << (top_k - 1).bit_length()) if top_k else 0
 
     @property
     def busy(self) -> bool:

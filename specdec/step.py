@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from specdec.batch import FINISH_CODES, Request, Row, RowBatch, append, budgets, cut_at_stop_string
+from specdec.batch import FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, append, budgets, cut_at_stop_string
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
 from specdec.graphs import PrefillGraphs, prefill_graph_tokens
@@ -543,16 +543,17 @@ class Stepper:
 
     @entry_point
     def capture_shapes(self, gammas: list[int]) -> int:
-        """Capture now the steps at these gammas, for greedy and for sampled batches without a top-k bound,
-        so that a policy changing gamma from step to step never stalls a running batch on a capture (an
-        eager warm-up and three captures). Returns how many were new; nothing without graphs."""
+        """Capture now the steps at these gammas, for greedy batches and for sampled ones with no row's top_k
+        above TOP_K_BOUND, so that neither a policy changing gamma from step to step nor a request's usual
+        sampling parameters stall a running batch on a capture (an eager warm-up and three captures; a
+        larger top_k is still captured when first met). Returns how many were new; nothing without graphs."""
         if not self.graphs:
             return 0
         new, bound = 0, self.batch.sampling.max_top_k
-        self.batch.sampling.max_top_k = 0
-        for any_sampled in (False, True):
+        for any_sampled, top_k in ((False, 0), (True, 0), (True, TOP_K_BOUND)):
+            self.batch.sampling.max_top_k = top_k
             for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0], any_sampled)}:
-                key = (gamma, any_sampled, 0)
+                key = (gamma, any_sampled, top_k)
                 if key not in self.captured:
                     self.capture(key, shape)
                     new += 1

@@ -18,7 +18,7 @@ import torch
 import specdec
 from conftest import DEVICE
 from specdec import SamplingParams, SpecConfig
-from specdec.batch import Request, eos_ids
+from specdec.batch import TOP_K_BOUND, Request, RowBatch, eos_ids
 from specdec.drafters import DrafterOptions, build_drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
@@ -126,6 +126,21 @@ def test_graph_replay_equals_eager_steps(models, name, temperature):  # noqa: F8
     eager = specdec.SpecEngine(target, drafter, graphs=False).generate(PROMPTS, config)
     assert [r.token_ids for r in graphed.rows] == [r.token_ids for r in eager.rows]
     assert graphed.stats.accepted == eager.stats.accepted
+
+
+def test_usual_top_k_values_share_one_step_shape():
+    """A step's shape depends on whether a row samples and on a bound on the rows' top_k: every top_k up to
+    TOP_K_BOUND shares the shape a server captures before serving, larger ones take their power of two."""
+    batch = RowBatch(4, 32, [], torch.device("cpu"))
+    assert batch.sampling_mode() == (False, 0)
+    batch.occupy([0], [Request([1, 2], 4)])  # greedy
+    assert batch.sampling_mode() == (False, 0)
+    batch.occupy([1], [Request([1, 2], 4, SamplingParams(temperature=0.7))])  # no top-k
+    assert batch.sampling_mode() == (True, 0)
+    for top_k, bound in ((1, TOP_K_BOUND), (20, TOP_K_BOUND), (50, TOP_K_BOUND), (TOP_K_BOUND, TOP_K_BOUND), (100, 128)):
+        batch.occupy([2], [Request([1, 2], 4, SamplingParams(temperature=0.7, top_k=top_k))])
+        assert batch.sampling_mode() == (True, bound), top_k
+        batch.release(2)
 
 
 def test_prefill_graph_shapes_pad_to_powers_of_two_within_the_budget():
