@@ -24,6 +24,7 @@ from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
 from specdec.adaptive import STEP_SAMPLES
+from specdec.batch import TOP_K_BOUND
 from specdec.server.policy import EXPLORE_EVERY, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
@@ -783,6 +784,21 @@ def test_cost_policy_keeps_each_buckets_exploration_wait():
     assert drafted == 3 * STEP_SAMPLES
 
 
+def test_cost_policy_explores_only_what_its_forward_times_could_make_win():
+    """Exploring re-measures a shape's steps, not acceptance: where the verify forward alone (as measured at
+    start) loses at the rows' acceptance, exploring only costs. Four rows on a 2-core CPU (the default
+    model): a gamma-2 step verifies 3 tokens a row at 2.1 plain forwards, and rows accepting 40 % of
+    drafts keep 1.56 of them. Perfect acceptance could pay there, which is all `could_pay` asks."""
+    policy = SpecPolicy("cost", gamma=3, costs=BatchCosts({4: {1: 1.0, 2: 1.87, 3: 2.13, 4: 2.93}}))
+    for _ in range(STEP_SAMPLES):
+        policy.observe_step_time(4, 0, 1.2)
+    rows = [Acceptance([100.0] * 3, [40.0] * 3)] * 4
+    assert all(policy.could_pay(4, g) for g in (1, 2, 3))
+    assert [policy.choose(rows, slots=4) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
+    alphas = [row.rates([0.5] * 3, policy.prior_weight) for row in rows_accepting(3, 4)]
+    assert policy.worth_exploring(alphas, 4, 2, 0)  # rows that keep every draft: gamma 2 could win
+
+
 def test_cost_policy_never_explores_a_shape_measured_too_dear_to_pay():
     """Where a drafting step was measured at g + 1 plain steps or more, or its verify forward costs g + 1
     plain forwards (a full batch on a CPU), not even perfect acceptance pays: exploring it only costs. A
@@ -894,7 +910,7 @@ def test_the_server_captures_its_policys_step_shapes_before_serving(model):
         assert scheduler.captured_for == ("cost", 3)
         for n in scheduler.ops.buckets():
             keys = set(scheduler.ops.stepper(n).captured)
-            assert {(g, s, 0) for g in range(4) for s in (False, True)} <= keys, n
+            assert {(g, s, 0) for g in range(4) for s in (False, True)} | {(g, True, TOP_K_BOUND) for g in range(4)} <= keys, n
     finally:
         scheduler.stop()
 

@@ -33,7 +33,11 @@ becomes compute-bound and every rejected draft token is work taken from other re
   batch that drains between bursts steps through the small buckets, where drafting pays, and with one
   shared record each such pass restarted the full bucket's wait (docs/design.md, "Pricing a step"). It
   never explores a drafting shape whose verify forward or measured steps cost g + 1 plain ones or more
-  (`could_pay`): not even perfect acceptance would pay there.
+  (`could_pay`): not even perfect acceptance would pay there; nor one that loses to the choice on the
+  forward times measured at start and the rows' acceptance (`worth_exploring`): exploring re-measures
+  steps, not acceptance, so a shape that loses even without host work and drafting costs (4 rows of
+  ngram on a 2-core CPU: a gamma-2 step verifies 3 tokens a row at 2.1 plain forwards, for about 1.1
+  tokens a row) only costs.
 """
 
 from __future__ import annotations
@@ -197,7 +201,8 @@ class SpecPolicy:
         if state.same_steps < state.explore_after:
             return best
         state.same_steps, state.explore_after = 0, min(2 * state.explore_after, EXPLORE_MOST)
-        others = [g for g in range(self.gamma + 1) if g != best and (g == 0 or self.could_pay(B, g))]
+        others = [g for g in range(self.gamma + 1)
+                  if g != best and (g == 0 or self.could_pay(B, g) and self.worth_exploring(alphas, B, g, best))]
         if not others:
             return best
         explored = max(others, key=lambda g: self.tokens_per_s(alphas, g, B))
@@ -214,6 +219,14 @@ class SpecPolicy:
             return False
         measured = self.steps.measured(B, g)
         return measured is None or measured < (g + 1) * self.step_seconds(B, 0)
+
+    def worth_exploring(self, alphas: list[list[float]], B: int, g: int, best: int) -> bool:
+        """Whether drafting g could beat `best` were steps to cost their verify forwards alone (as measured at
+        start: no host work, no drafting), at the rows' acceptance estimates."""
+        def tokens_per_forward_s(gamma: int) -> float:
+            return sum(expected_tokens(a, gamma) for a in alphas) / self.costs.forward_s(B, self.widths.get(gamma, gamma) + 1)
+
+        return tokens_per_forward_s(g) > tokens_per_forward_s(best)
 
     def gammas(self) -> list[int]:
         """Every gamma `choose` may return (a step whose rows all opted out runs at 0 too)."""
