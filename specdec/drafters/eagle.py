@@ -38,7 +38,7 @@ from specdec.models import fused
 from specdec.models.cpu_quant import block_format
 from specdec.models.eagle import EagleHead, load_eagle_head
 from specdec.sampling import topk_log_probs
-from specdec.verify import TreeSpec
+from specdec.verify import TreeSpec, depth_bound
 
 
 # On a GPU a verify forward of 24 tokens costs little more than one of 10, so a wider tree's extra
@@ -166,7 +166,7 @@ class EagleDrafter:
         if batch.draft.features is not None:
             self.catch_up(batch)
         tokens, parents = self.grow(batch.draft.root, batch, depth)
-        return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth, self.tree.branch))
+        return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth_bound(depth, self.tree.depth, batch.device), self.tree.branch))
 
     def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
         """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Between the head's

@@ -32,7 +32,7 @@ from specdec.errors import UserError
 from specdec.models.cpu_quant import block_format
 from specdec.models.medusa import MedusaHeads, load_medusa_heads, read_config
 from specdec.sampling import topk_wide
-from specdec.verify import TreeSpec
+from specdec.verify import TreeSpec, depth_bound
 
 # 12 nodes, for a CPU: verifying 13 tokens reads the target's weights once, like 1 token, but costs
 # about 1.3 times a 1-token forward on the 2-core machine we measure on, and each further node adds less.
@@ -140,7 +140,7 @@ class MedusaDrafter:
         ranked = topk_wide(logits, self.top)[1]  # [B, K, R]
         picks = ranked[:, self.node_head[:N], self.node_rank[:N]]  # [B, N] draft-vocabulary indices
         parents = self.parents[:N].expand(batch.capacity, N)
-        return Proposal(tokens=self.heads.d2t[picks], tree=TreeSpec(parents, None, shape.depth, self.fan_out))
+        return Proposal(tokens=self.heads.d2t[picks], tree=TreeSpec(parents, None, depth_bound(shape.depth, max(self.depths), batch.device), self.fan_out))
 
 
 def tree_for(option, heads: MedusaHeads, stored: dict, quantised_target: bool = False) -> MedusaTree:
