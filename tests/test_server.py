@@ -25,7 +25,7 @@ from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
 from specdec.adaptive import STEP_SAMPLES
 from specdec.batch import TOP_K_BOUND
-from specdec.server.policy import EXPLORE_EVERY, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.server.policy import EXPLORE_EVERY, SWITCH_MARGIN, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
@@ -736,11 +736,29 @@ def rows_accepting(kept: int, n: int) -> list[Acceptance]:
 
 
 def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
+    def first_choice(rows: list[Acceptance]) -> int:
+        return SpecPolicy("cost", gamma=3, costs=linear_costs()).choose(rows)
+
+    assert first_choice(rows_accepting(3, 1)) == 3
+    assert first_choice(rows_accepting(1, 1)) == 1  # the second draft is always rejected: draft one
+    assert first_choice(rows_accepting(1, 32)) == 0  # compute-bound: a draft token costs a full token
+    assert first_choice(rows_accepting(0, 1)) == 0  # nothing is ever accepted: drafting cannot pay
+
+
+def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
+    """Estimates are medians of a few noisy steps: a gamma estimated less than SWITCH_MARGIN faster does not
+    move the choice; one clearly faster does."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     assert policy.choose(rows_accepting(3, 1)) == 3
-    assert policy.choose(rows_accepting(1, 1)) == 1  # the second draft is always rejected: draft one
-    assert policy.choose(rows_accepting(1, 32)) == 0  # compute-bound: a draft token costs a full token
-    assert policy.choose(rows_accepting(0, 1)) == 0  # nothing is ever accepted: drafting cannot pay
+    rows = rows_accepting(1, 1)  # gamma 1 now wins, by under the margin (1.06 against 1.02 seconds)
+    alphas = [row.rates(policy.overall.rates([0.5] * 3, 2.0), policy.prior_weight) for row in rows]
+    faster = policy.tokens_per_s(alphas, 1, 1) / policy.tokens_per_s(alphas, 3, 1)
+    assert 1 < faster < 1 + SWITCH_MARGIN
+    assert [policy.choose(rows) for _ in range(8)] == [3] * 8
+    for _ in range(STEP_SAMPLES):  # gamma-3 steps measured at twice their prediction, gamma-1 ones at it
+        policy.observe_step_time(1, 3, 2 * policy.predicted_step_s(1, 3))
+        policy.observe_step_time(1, 1, policy.predicted_step_s(1, 1))
+    assert policy.choose(rows) == 1
 
 
 def test_cost_policy_explores_after_a_run_of_gamma_0():

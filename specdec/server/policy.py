@@ -56,6 +56,14 @@ SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
 MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again (at first)
 EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed nothing
+# `cost` leaves its choice only for a gamma estimated this much faster. A shape's step time is the median
+# of its last 5-20 steps, and a level's steps vary by 10 % or more, so without a margin one probe's lucky
+# median can move the choice to a gamma no better, where it stays until that gamma's own steps say so.
+# Such moves would explain steps seen at a losing gamma beyond what probes run (3 probes of 5 steps a
+# level): an H200 at 64 clients ran 41-54 of ~354 steps at gamma 0 where gamma 4 gave 1.1-1.3x plain, a
+# 2-core CPU with EAGLE at 16 clients 56 of 488 at gamma 1 (counts of steps, not traced choices).
+# Between gammas within the margin, staying costs at most the margin, as estimated.
+SWITCH_MARGIN = 0.05
 
 
 @dataclass
@@ -193,10 +201,12 @@ class SpecPolicy:
             return state.probe_gamma
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
-        best = max(range(self.gamma + 1), key=lambda g: self.tokens_per_s(alphas, g, B))
-        if best != state.chosen:
+        rate = {g: self.tokens_per_s(alphas, g, B) for g in range(self.gamma + 1)}
+        best = max(rate, key=rate.get)
+        if best != state.chosen and rate[best] > (1 + SWITCH_MARGIN) * rate[state.chosen]:
             state.chosen, state.same_steps, state.explore_after = best, 1, EXPLORE_EVERY
             return best
+        best = state.chosen
         state.same_steps += 1
         if state.same_steps < state.explore_after:
             return best
@@ -205,7 +215,7 @@ class SpecPolicy:
                   if g != best and (g == 0 or self.could_pay(B, g) and self.worth_exploring(alphas, B, g, best))]
         if not others:
             return best
-        explored = max(others, key=lambda g: self.tokens_per_s(alphas, g, B))
+        explored = max(others, key=rate.get)
         self.steps.forget(B, explored, self.predicted_step_s)
         state.probe_gamma, state.probe_left = explored, STEP_SAMPLES - 1
         return explored
