@@ -147,12 +147,21 @@ def test_targets_take_medians_over_interleaved_passes(tmp_path):
     checks = {c.name: c for c in check_targets(levels)}
     assert checks["cost / off at c=1"].value == pytest.approx(1.05) and checks["cost / off at c=1"].met
     table = format_medians(levels)
-    assert "| cost   | 1           | 3      | 105.0           | 1.05   | 0.90-1.10" in table
+    assert "| cost   | 1           | 3      | 105.0           | 1.05   | 1.05          | 0.90-1.10" in table
     assert "| 12.0" in table  # the cost level's median TTFT p50 (9, 12, 30)
     plan = LoadPlan((1,), ("off", "cost"), 4, 8, fixed_sampling(0.0), 2)
     write_report(tmp_path, report_config(plan), HARDWARE, levels)
     report = (tmp_path / "report.md").read_text()
     assert "## Medians over passes" in report and "| pass | policy |" in report
+
+
+def test_paired_ratios_cancel_what_drifts_between_passes():
+    """`off` at 100, 120 and 80 tok/s over three passes (a shared machine's load), `cost` 1.00x, 1.05x and
+    1.05x its pass's `off`: the medians over passes give 1.00, the passes' own ratios 1.05."""
+    levels = [replace(lv, repeat=r) for r, (off, cost) in enumerate([(100, 100), (120, 126), (80, 84)])
+              for lv in (level("off", 4, off, 10), level("cost", 4, cost, 10))]
+    table = format_medians(levels)
+    assert "| cost   | 4           | 3      | 100.0           | 1.00   | 1.05          | 1.00-1.05" in table
 
 
 def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):

@@ -681,17 +681,20 @@ def off_by_pass(levels: list[LevelResult]) -> dict[tuple[int, int], float]:
 
 def format_medians(levels: list[LevelResult]) -> str:
     """With several passes: per policy and concurrency, the median tok/s and TTFT p50 over passes, the
-    median against `off`'s, and the lowest and highest of the passes' own ratios to `off` (how far one
-    pass can mislead)."""
+    median against `off`'s (what the targets judge), the median of the passes' own ratios to their
+    pass's `off` ("paired": it cancels what drifts between passes, such as a shared machine's load, where
+    the first mixes passes), and the lowest and highest of those ratios (how far one pass can mislead)."""
     tok, ttft = median_by_level(levels, "tokens_per_s"), median_by_level(levels, "ttft_p50_ms")
     off = off_by_pass(levels)
-    head = ["policy", "concurrency", "passes", "median tokens/s", "vs off", "passes' vs off", "median TTFT p50 ms"]
+    head = ["policy", "concurrency", "passes", "median tokens/s", "vs off", "paired vs off", "passes' vs off",
+            "median TTFT p50 ms"]
     rows = []
     for (policy, c), t in tok.items():
         ratios = [lv.tokens_per_s / off[lv.repeat, c] for lv in levels
                   if (lv.policy, lv.concurrency) == (policy, c) and off.get((lv.repeat, c))]
         passes = sum((lv.policy, lv.concurrency) == (policy, c) for lv in levels)
         rows.append([policy, str(c), str(passes), fmt(t), fmt(t / tok["off", c], 2) if tok.get(("off", c)) else "-",
+                     fmt(statistics.median(ratios), 2) if ratios else "-",
                      f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-", fmt(ttft.get((policy, c)))])
     return markdown_table(head, rows)
 
