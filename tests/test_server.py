@@ -749,16 +749,16 @@ def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
     """Estimates are medians of a few noisy steps: a gamma estimated less than SWITCH_MARGIN faster does not
     move the choice; one clearly faster does."""
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
-    assert policy.choose(rows_accepting(3, 1)) == 3
+    assert policy.choose(rows_accepting(3, 1)) == 3 and policy.moved == "switch"  # from gamma 0, where a bucket starts
     rows = rows_accepting(1, 1)  # gamma 1 now wins, by under the margin (1.06 against 1.02 seconds)
     alphas = [row.rates(policy.overall.rates([0.5] * 3, 2.0), policy.prior_weight) for row in rows]
     faster = policy.tokens_per_s(alphas, 1, 1) / policy.tokens_per_s(alphas, 3, 1)
     assert 1 < faster < 1 + SWITCH_MARGIN
-    assert [policy.choose(rows) for _ in range(8)] == [3] * 8
+    assert [policy.choose(rows) for _ in range(8)] == [3] * 8 and policy.moved is None
     for _ in range(STEP_SAMPLES):  # gamma-3 steps measured at twice their prediction, gamma-1 ones at it
         policy.observe_step_time(1, 3, 2 * policy.predicted_step_s(1, 3))
         policy.observe_step_time(1, 1, policy.predicted_step_s(1, 1))
-    assert policy.choose(rows) == 1
+    assert policy.choose(rows) == 1 and policy.moved == "switch"
 
 
 def test_cost_policy_explores_after_a_run_of_gamma_0():
@@ -772,6 +772,11 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
     starts.append(starts[-1] + STEP_SAMPLES + 4 * EXPLORE_EVERY - 1)
     assert [i for i, g in enumerate(chosen) if g] == [i + k for i in starts for k in range(STEP_SAMPLES)]
     assert chosen[EXPLORE_EVERY - 1] == 3  # the best gamma > 0
+    fresh, moves = SpecPolicy("cost", gamma=3, costs=linear_costs(), draft_s_per_row=100.0, draft_samples=1), []
+    for _ in range(EXPLORE_EVERY + STEP_SAMPLES):
+        fresh.choose(rows_accepting(3, 1))
+        moves.append(fresh.moved)
+    assert [(i, m) for i, m in enumerate(moves) if m] == [(EXPLORE_EVERY - 1, "probe")]  # its other steps: no move
     policy.draft_s_per_row = 0.0  # drafting pays again: the policy drafts, and the wait starts over
     assert policy.choose(rows_accepting(3, 1)) == 3
     policy.draft_s_per_row = 100.0

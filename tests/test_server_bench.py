@@ -137,6 +137,8 @@ def test_repeats_interleave_the_policies(model):
         _, levels = run_load(url, KEY, PROMPTS, plan)
     assert [(lv.repeat, lv.policy) for lv in levels] == [(0, "off"), (0, "cost"), (1, "off"), (1, "cost")]
     assert all(lv.ok == 2 and lv.rows_freed for lv in levels)
+    assert all(set(lv.cost_moves) == {"switch", "probe"} for lv in levels)  # scraped from /metrics at every level
+    assert all(not any(lv.cost_moves.values()) for lv in levels if lv.policy == "off")
 
 
 def test_targets_take_medians_over_interleaved_passes(tmp_path):
@@ -153,6 +155,7 @@ def test_targets_take_medians_over_interleaved_passes(tmp_path):
     write_report(tmp_path, report_config(plan), HARDWARE, levels)
     report = (tmp_path / "report.md").read_text()
     assert "## Medians over passes" in report and "| pass | policy |" in report
+    assert "## The cost policy's choices" in report and "- cost c=1 (pass 2): steps by gamma -; switches -" in report
 
 
 def test_paired_ratios_cancel_what_drifts_between_passes():

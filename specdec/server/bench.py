@@ -160,6 +160,7 @@ class LevelResult:
     server_ttft_mean_ms: float | None = None  # the server's own TTFT (queued to first token handed over), mean
     server_queue_mean_ms: float | None = None  # of which waiting for the prefill to start, mean
     steps_by_gamma: dict[int, int] = field(default_factory=dict)  # the server's decode steps over the level, by gamma
+    cost_moves: dict[str, int] = field(default_factory=dict)  # `cost`'s switches and probes over the level
     prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
@@ -510,6 +511,7 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         server_ttft_mean_ms=histogram_mean_ms(start, end, "specdec_time_to_first_token_seconds"),
         server_queue_mean_ms=histogram_mean_ms(start, end, "specdec_request_queue_time_seconds"),
         steps_by_gamma=steps_by_gamma(start, end),
+        cost_moves=counter_deltas(start, end, "specdec_cost_moves_total", "kind"),
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
@@ -793,6 +795,13 @@ def memory_lines(levels: list[LevelResult]) -> list[str]:
     return lines
 
 
+def cost_lines(levels: list[LevelResult]) -> list[str]:
+    """Per `cost` level: its steps by gamma and its moves (choices changed, explorations started)."""
+    return [f"- cost c={lv.concurrency}" + (f" (pass {lv.repeat + 1})" if lv.repeat else "") +
+            f": steps by gamma {lv.steps_by_gamma or '-'}; switches {lv.cost_moves.get('switch', '-')}, "
+            f"probes {lv.cost_moves.get('probe', '-')}" for lv in levels if lv.policy == "cost"]
+
+
 def describe_sampling(config: dict) -> str:
     sets = config["sampling"]
     return sets[0]["name"] if len(sets) == 1 else "mixed, in turn: " + ", ".join(s["name"] for s in sets)
@@ -826,6 +835,9 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
         "", "## Server memory", "",
         "MiB, RSS (/ GPU allocated / GPU reserved on CUDA), sampled after N requests of the level.", "",
         *memory_lines(levels), "",
+        *(["## The cost policy's choices", "", "Over each level: the server's steps by the gamma chosen, how often "
+           "`cost` changed its choice (switches) and how often it explored another gamma for a few steps "
+           "(probes).", "", *cost_lines(levels), ""] if any(lv.policy == "cost" for lv in levels) else []),
     ]
     if plot is not None:
         md += [f"![throughput vs concurrency]({plot.name})", ""]

@@ -70,6 +70,7 @@ class ServerMetrics:
         self.accepted_per_position: list[int] = []
         self.gamma = 0  # chosen for the last step
         self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
+        self.cost_moves = {"switch": 0, "probe": 0}  # `cost`: choices changed, explorations started
         self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
         self.ttft = Histogram(TTFT_BUCKETS)
         self.queue_time = Histogram(TTFT_BUCKETS)
@@ -126,6 +127,10 @@ class ServerMetrics:
                 for i in range(a):
                     self.accepted_per_position[i] += 1
 
+    def count_cost_move(self, kind: str) -> None:
+        with self.lock:
+            self.cost_moves[kind] += 1
+
     def observe_latency(self, seconds: float) -> None:
         with self.lock:
             self.latency.observe(seconds)
@@ -169,6 +174,9 @@ class ServerMetrics:
                 "# HELP specdec_steps_by_gamma_total Decode steps by the draft tokens per row the policy chose.",
                 "# TYPE specdec_steps_by_gamma_total counter",
                 *(f'specdec_steps_by_gamma_total{{gamma="{g}"}} {n}' for g, n in sorted(self.steps_by_gamma.items())),
+                "# HELP specdec_cost_moves_total The cost policy's moves: a changed choice of gamma (switch), an exploration (probe).",
+                "# TYPE specdec_cost_moves_total counter",
+                *(f'specdec_cost_moves_total{{kind="{k}"}} {n}' for k, n in self.cost_moves.items()),
                 "# HELP specdec_prefill_forwards_total Prefill chunks read, by a captured graph or eagerly.",
                 "# TYPE specdec_prefill_forwards_total counter",
                 *(f'specdec_prefill_forwards_total{{kind="{k}"}} {n}' for k, n in self.prefill_forwards.items()),

@@ -176,6 +176,7 @@ class SpecPolicy:
     draft_samples: int = 0
     steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
     explorations: dict[int, Exploration] = field(default_factory=dict)  # `cost`: per bucket of slots
+    moved: str | None = None  # `cost`: what the last `choose` did beyond keeping its choice ("switch", "probe")
 
     def __post_init__(self) -> None:
         check_policy(self.name, self.gamma, self.threshold)
@@ -196,6 +197,7 @@ class SpecPolicy:
             return 0
         B = slots or len(rows)
         state = self.explorations.setdefault(B, Exploration())
+        self.moved = None
         if state.probe_left:  # an exploration's steps: measured afresh
             state.probe_left -= 1
             return state.probe_gamma
@@ -205,6 +207,7 @@ class SpecPolicy:
         best = max(rate, key=rate.get)
         if best != state.chosen and rate[best] > (1 + SWITCH_MARGIN) * rate[state.chosen]:
             state.chosen, state.same_steps, state.explore_after = best, 1, EXPLORE_EVERY
+            self.moved = "switch"
             return best
         best = state.chosen
         state.same_steps += 1
@@ -218,6 +221,7 @@ class SpecPolicy:
         explored = max(others, key=rate.get)
         self.steps.forget(B, explored, self.predicted_step_s)
         state.probe_gamma, state.probe_left = explored, STEP_SAMPLES - 1
+        self.moved = "probe"
         return explored
 
     def could_pay(self, B: int, g: int) -> bool:

@@ -569,6 +569,8 @@ class Scheduler:
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
         gamma = self.policy.choose([self.running[s].acceptance for s in drafting], n) if drafting else 0
+        if drafting and self.policy.moved:
+            self.metrics.count_cost_move(self.policy.moved)
         try:
             start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
