@@ -45,6 +45,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -229,7 +230,7 @@ class SpecPolicy:
         verify forward alone costs g + 1 plain forwards or more (compute-bound: a full batch on a CPU; the
         forward times are measured at start, which a cold start does not distort), nor if its measured
         steps cost g + 1 plain steps or more. Exploring such a shape only stalls every row."""
-        if self.costs.forward_s(B, self.widths.get(g, g) + 1) >= (g + 1) * self.costs.forward_s(B, 1):
+        if self.verify_forward_s(B, g) >= (g + 1) * self.verify_forward_s(B, 0):
             return False
         measured = self.steps.measured(B, g)
         return measured is None or measured < (g + 1) * self.step_seconds(B, 0)
@@ -237,10 +238,7 @@ class SpecPolicy:
     def worth_exploring(self, alphas: list[list[float]], B: int, g: int, best: int) -> bool:
         """Whether drafting g could beat `best` were steps to cost their verify forwards alone (as measured at
         start: no host work, no drafting), at the rows' acceptance estimates."""
-        def tokens_per_forward_s(gamma: int) -> float:
-            return sum(expected_tokens(a, gamma) for a in alphas) / self.costs.forward_s(B, self.widths.get(gamma, gamma) + 1)
-
-        return tokens_per_forward_s(g) > tokens_per_forward_s(best)
+        return self.tokens_per_s(alphas, g, B, self.verify_forward_s) > self.tokens_per_s(alphas, best, B, self.verify_forward_s)
 
     def gammas(self) -> list[int]:
         """Every gamma `choose` may return (a step whose rows all opted out runs at 0 too)."""
@@ -248,12 +246,17 @@ class SpecPolicy:
             return [0]
         return list(range(self.gamma + 1)) if self.name == "cost" else [0, self.gamma]
 
-    def tokens_per_s(self, alphas: list[list[float]], g: int, B: int) -> float:
-        """Expected tokens per second of a step of B slots whose drafting rows have these rates."""
-        return sum(expected_tokens(a, g) for a in alphas) / self.step_seconds(B, g)
+    def tokens_per_s(self, alphas: list[list[float]], g: int, B: int, seconds: Callable[[int, int], float] | None = None) -> float:
+        """Expected tokens per second of a step of B slots whose drafting rows have these rates, priced by
+        `seconds(B, g)` (default: step_seconds)."""
+        return sum(expected_tokens(a, g) for a in alphas) / (seconds or self.step_seconds)(B, g)
+
+    def verify_forward_s(self, B: int, g: int) -> float:
+        """T(B, w(g) + 1): the forward measured at start over the tokens a row verifies at gamma g."""
+        return self.costs.forward_s(B, self.widths.get(g, g) + 1)
 
     def predicted_step_s(self, B: int, g: int) -> float:
-        return self.costs.forward_s(B, self.widths.get(g, g) + 1) + (B * self.draft_s_per_row if g else 0.0)
+        return self.verify_forward_s(B, g) + (B * self.draft_s_per_row if g else 0.0)
 
     def step_seconds(self, B: int, g: int) -> float:
         """S(B, g): measured where STEP_SAMPLES steps of this shape ran, else predicted (module docstring)."""
