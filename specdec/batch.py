@@ -84,6 +84,7 @@ class RowBatch:
         self.stop_at_eos = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         self.sampling = RowSampling.of([SamplingParams()] * B, dev)
         self.eos = torch.tensor(sorted(set(eos_ids)) or [-1], dtype=torch.long, device=dev)  # [E]
+        self.eos_ids = frozenset(eos_ids)  # the same, on the host (first_token_outcome)
         self.rows: dict[int, Row] = {}
         self.draft = None  # the drafter's per-slot state (drafter.attach)
 
@@ -100,8 +101,7 @@ class RowBatch:
         0 when none uses top-k): what a step's shape depends on. An all-greedy step verifies without
         probabilities; the bound lets top-k filtering run as one torch.topk (RowSampling.max_top_k)."""
         sampled = [r.request.sampling for r in self.rows.values() if not r.finished and not r.request.sampling.greedy]
-        top_k = max((p.top_k for p in sampled), default=0)
-        return bool(sampled), max(TOP_K_BOUND, 1 << (top_k - 1).bit_length()) if top_k else 0
+        return bool(sampled), top_k_bound(sampled)
 
     @property
     def busy(self) -> bool:
@@ -212,6 +212,23 @@ def append(batch: RowBatch, emitted: Tensor, count: Tensor) -> tuple[Tensor, Ten
     finish = torch.where(batch.active, finish, 0)
     batch.active &= finish == 0
     return kept, finish
+
+
+def top_k_bound(params: list[SamplingParams]) -> int:
+    """A bound on these rows' top_k (RowSampling.max_top_k): TOP_K_BOUND or the power of two above, 0 when
+    none uses top-k."""
+    top_k = max((p.top_k for p in params), default=0)
+    return max(TOP_K_BOUND, 1 << (top_k - 1).bit_length()) if top_k else 0
+
+
+def first_token_outcome(request: Request, token: int, eos_ids: frozenset[int]) -> tuple[int, int]:
+    """(kept, finish code) that `append` gives a joining row's first token, from what the host knows: a join
+    hands its first tokens out as soon as they are sampled (Stepper.join_read), before its append has run."""
+    if request.max_new_tokens < 1:
+        return 0, 2
+    if request.stop_at_eos and token in eos_ids:
+        return 1, 1
+    return 1, 2 if request.max_new_tokens == 1 else 0
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int | None:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdec.kv_cache import KVCache
 from specdec.models.fused import fusing
+from specdec.models.kernels import counter_lane
 from specdec.models.llama import ModelOutput, aux_args
 
 
@@ -79,6 +80,7 @@ PREFILL_GRAPH_TOKENS = 16384  # rows x positions of the largest prefill captured
 # one replay instead of one per decode turn ...
 PREFILL_GRAPH_BYTES = 512 << 20  # ... and at most this much scratch cache: a larger model's prefill is GPU-bound anyway
 MIN_SPAN = 16
+PREFILL_LANE = "prefill"  # the arrival counters of prompt reads (kernels.counter_lane): they may overlap a step
 
 
 @dataclass
@@ -159,14 +161,14 @@ class PrefillGraphs:
         last = torch.zeros(R, dtype=torch.long, device=slots.k.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (compile the kernels for this shape)
+        with torch.cuda.stream(side), counter_lane(PREFILL_LANE):  # warm up (compile the kernels for this shape)
             for _ in range(2):
                 scratch.lengths.zero_()
                 self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         scratch.lengths.zero_()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), counter_lane(PREFILL_LANE):
             out = self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
         self.graphs[key] = PrefillGraph(graph, scratch, tokens, positions, last, out)
         return self.graphs[key]

@@ -38,15 +38,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from specdec.batch import FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, append, budgets, cut_at_stop_string
+from specdec.batch import (FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, append, budgets, cut_at_stop_string,
+                           first_token_outcome, top_k_bound)
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
-from specdec.graphs import PrefillGraphs, prefill_graph_tokens
+from specdec.graphs import PREFILL_LANE, PrefillGraphs, prefill_graph_tokens
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
-from specdec.models.kernels import kernel_path
+from specdec.models.kernels import counter_lane, kernel_path
 from specdec.models.llama import ModelOutput, aux_args
-from specdec.sampling import logits_to_probs, sample, uniforms
+from specdec.sampling import RowSampling, logits_to_probs, sample, uniforms
 from specdec.transfer import to_device
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
@@ -311,16 +312,30 @@ class Prefill:
         return self.left == 0
 
 
-def sample_first(batch: RowBatch, index: Tensor, logits: Tensor, greedy: bool) -> Tensor:
-    """[k] the first token of rows `index` [k] from their last prompt position's logits [k, V]: the argmax
-    when every one of them is greedy, else each row's own seeded draw (its draw counter advances by one)."""
-    if greedy:
+def sample_first(rows: list[Row], logits: Tensor) -> Tensor:
+    """[k] the first token of `rows` (joining) from their last prompt position's logits [k, V]: the argmax
+    when every one of them is greedy, else each row's own seeded draw, its first (draw counter 0: the join
+    advances it). Reads only the rows' host-side settings, not the batch's device state, which the step in
+    flight may still be using (prefill_stream)."""
+    if all(r.request.sampling.greedy for r in rows):
         return logits.argmax(-1)
-    batch.sampling.max_top_k = batch.sampling_mode()[1]
-    probs = logits_to_probs(logits, batch.sampling.index(index))
-    first = sample(probs, uniforms(batch.seed[index], batch.draws[index], 1)[:, 0])
-    batch.draws[index] += 1
-    return first
+    params = [r.request.sampling for r in rows]
+    sampling = RowSampling.of(params, logits.device)
+    sampling.max_top_k = top_k_bound([p for p in params if not p.greedy])
+    seeds = to_device([r.seed for r in rows], logits.device)  # [k]
+    return sample(logits_to_probs(logits, sampling), uniforms(seeds, torch.zeros_like(seeds), 1)[:, 0])
+
+
+def prefill_stream(target, device: torch.device) -> torch.cuda.Stream | None:
+    """The stream joining prompts are read on: on CUDA, a stream of their own at a higher priority, so a
+    prompt read does not queue behind the step in flight on the current stream, and its first tokens go out
+    while that step runs (the join itself, which changes the rows' state, stays on the current stream,
+    after the step: Stepper.join_read). None on the CPU, and for a tensor-parallel target: there every
+    rank's all-reduces must run in one order, which two streams would not keep."""
+    shard = getattr(target, "shard", None)
+    if device.type != "cuda" or (shard is not None and shard.parallel):
+        return None
+    return torch.cuda.Stream(device, priority=-1)  # lower is higher; the default stream's is 0
 
 
 def graphs_prefill(target) -> bool:
@@ -405,6 +420,8 @@ class Stepper:
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
+        self.prefill_stream = prefill_stream(target, self.device)
+        self.joined: torch.cuda.Event | None = None  # recorded after the last join: its scratch cache is read
 
     @property
     def device(self) -> torch.device:
@@ -431,8 +448,22 @@ class Stepper:
         batch.active.index_fill_(0, index, False)
         lengths = [len(requests[i].prompt) for i in order]
         graph = self.prefill_graph(len(rows), lengths[0], chunk)
-        scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
+        with self.reading_prompts():  # the scratch is written there
+            scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
         return Prefill([rows[i] for i in order], index, lengths, chunk, scratch, graph)
+
+    @contextlib.contextmanager
+    def reading_prompts(self):
+        """Where a prompt read's device work runs: on the prefill stream (see prefill_stream), once the last
+        join has copied its scratch cache out (a read overwrites it), in the prefill's counter lane; without
+        one, on the current stream."""
+        if self.prefill_stream is None:
+            yield
+            return
+        if self.joined is not None:
+            self.prefill_stream.wait_event(self.joined)
+        with torch.cuda.stream(self.prefill_stream), counter_lane(PREFILL_LANE):
+            yield
 
     def prefill_graph(self, rows: int, longest: int, chunk: int | None) -> tuple[int, int] | None:
         """The PrefillGraphs shape that reads `rows` whole prompts of at most `longest` tokens in one replay:
@@ -445,46 +476,67 @@ class Stepper:
         """Read the next positions of the prompts still being read, in one forward of at most prefill.chunk
         tokens (rows x positions). The rows whose prompt this chunk ends join the batch (see join_read) and
         are returned. Runs between steps: a replay where one captured forward reads the whole prompts
-        (PrefillGraphs), else eagerly."""
+        (PrefillGraphs), else eagerly; on the prefill stream where there is one (reading_prompts). The
+        tokens come from the host's prompts, not the batch, whose device copy is written on the current
+        stream."""
         p, dev = prefill, self.device
         m, start = p.left, p.done
         width = p.lengths[0] - start if p.chunk is None else min(p.lengths[0] - start, p.chunk // m)
-        block = self.batch.tokens[p.index[:m], start : start + width]  # [m, w]
-        last = (to_device(p.lengths[:m], dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
-        if p.graph is not None:  # the whole prompts, in one replay
-            out = self.prefill_graphs.forward(p.graph, block, last)
-        else:
-            positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
-            out = self.target(block, positions, p.scratch.head(m), logits_at=last, **aux_args(self.aux_layers))
-        features = drafter_features(out)  # [m, w, Dm]
-        if p.hidden is None:
-            p.hidden = features.new_empty(len(p.rows), p.lengths[0], features.shape[-1])  # [n, T, Dm]
-        p.hidden[:m, start : start + width] = features
-        p.done = start + width
-        p.left = sum(n > p.done for n in p.lengths)
-        return self.join_read(p, p.left, m, out.logits[p.left : m, 0]) if p.left < m else []
+        with self.reading_prompts():
+            block = to_device([r.request.prompt[start : start + width] + [0] * (start + width - len(r.request.prompt))
+                               for r in p.rows[:m]], dev)  # [m, w] right-padded with 0
+            last = (to_device(p.lengths[:m], dev) - 1 - start).clamp(0, width - 1)  # [m] a prompt's end, if here
+            if p.graph is not None:  # the whole prompts, in one replay
+                out = self.prefill_graphs.forward(p.graph, block, last)
+            else:
+                positions = torch.arange(start, start + width, device=dev).expand_as(block)  # [m, w]
+                out = self.target(block, positions, p.scratch.head(m), logits_at=last, **aux_args(self.aux_layers))
+            features = drafter_features(out)  # [m, w, Dm]
+            if p.hidden is None:
+                p.hidden = features.new_empty(len(p.rows), p.lengths[0], features.shape[-1])  # [n, T, Dm]
+            p.hidden[:m, start : start + width] = features
+            p.done = start + width
+            p.left = sum(n > p.done for n in p.lengths)
+            if p.left == m:
+                return []
+            first = sample_first(p.rows[p.left : m], out.logits[p.left : m, 0])  # [k]
+            tokens = read_host(first)  # waits for this read only, not for a step in flight
+        return self.join_read(p, p.left, m, first, tokens)
 
-    def join_read(self, prefill: Prefill, lo: int, hi: int, logits: Tensor) -> list[Row]:
-        """Rows lo..hi-1 of a prefill have read their prompts: their keys and values go into their slots of
-        the target cache, each samples its first token from its last prompt position's logits [hi-lo, V]
-        (argmax, or its own seeded draw), appends it, and the drafter is told, with the target's hidden
-        states over their right-padded prompts, exactly as when the whole prompts are read in one forward."""
+    def join_read(self, prefill: Prefill, lo: int, hi: int, first: Tensor, tokens: list[int]) -> list[Row]:
+        """Rows lo..hi-1 of a prefill have read their prompts and sampled their first tokens (`first` [hi-lo]
+        on the device, `tokens` on the host). The host hands the tokens to the rows at once; on the device,
+        after the step in flight, their keys and values go into their slots of the target cache, the first
+        tokens are appended (and counted as draws where a row samples), and the drafter is told, with the
+        target's hidden states over their right-padded prompts, exactly as when the whole prompts are read
+        in one forward."""
         batch, p = self.batch, prefill
+        if self.prefill_stream is not None:  # the read's tensors, made on the prefill stream, are used here too
+            torch.cuda.current_stream().wait_stream(self.prefill_stream)
+            for t in (first, p.hidden, p.scratch.k, p.scratch.v):
+                t.record_stream(torch.cuda.current_stream())
         index, T = p.index[lo:hi], p.lengths[lo]  # [k]; the longest of these prompts
         self.cache.k[:, index, :, :T] = p.scratch.k[:, lo:hi, :, :T]
         self.cache.v[:, index, :, :T] = p.scratch.v[:, lo:hi, :, :T]
         self.cache.lengths[index] = batch.prompt_length[index]
         batch.active.index_fill_(0, index, True)
         rows = p.rows[lo:hi]
+        if not all(r.request.sampling.greedy for r in rows):
+            batch.draws[index] += 1  # the first token's draw (sample_first)
         emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=self.device)
-        emitted[index, 0] = sample_first(batch, index, logits, all(r.request.sampling.greedy for r in rows))
+        emitted[index, 0] = first
         joining = torch.zeros(batch.capacity, dtype=torch.long, device=self.device)
         joining.index_fill_(0, index, 1)
-        kept, finish = append(batch, emitted, joining)
+        append(batch, emitted, joining)
         self.drafter.join(batch, index, p.hidden[lo:hi, :T])
-        zeros = torch.zeros_like(kept)
-        packed = torch.cat([emitted, torch.stack([kept, zeros, zeros, zeros, finish], dim=1)], dim=1)
-        self.absorb(read_host(packed), {r.slot: r for r in rows})
+        if self.prefill_stream is not None:
+            self.joined = torch.cuda.Event()
+            self.joined.record()
+        packed = [[0] * 6 for _ in range(batch.capacity)]  # as a step's outcome: emitted token, then the counts
+        for row, token in zip(rows, tokens):
+            kept, finish = first_token_outcome(row.request, token, batch.eos_ids)
+            packed[row.slot] = [token, kept, 0, 0, 0, finish]
+        self.absorb(packed, {r.slot: r for r in rows})
         return rows
 
     def reset(self) -> None:

@@ -162,18 +162,23 @@ def test_a_graphed_prefill_is_bitwise_the_eager_one(models, monkeypatch):  # noq
     tokens as 4 x 64); the exact kernels keep every real row's bits: the logits its first token comes from,
     the hidden states a drafter reads, and the keys and values left in its slots. (A graph's positions
     buffer, once not held, was reused by later allocations: the first rows' later positions then differed.)"""
-    from specdec.step import Stepper
+    import specdec.step as step
 
     target, _, _ = models
     prompts = [PROMPTS[0], PROMPTS[2] + PROMPTS[0] * 3, PROMPTS[1]]
     seen, caches = [], []
-    join = Stepper.join_read
+    join, sample_first = step.Stepper.join_read, step.sample_first
 
-    def spy(self, prefill, lo, hi, logits):
-        seen.append((prefill.graph, prefill.hidden.clone(), logits.clone()))
-        return join(self, prefill, lo, hi, logits)
+    def spy_join(self, prefill, lo, hi, first, tokens):
+        seen[-1] = (prefill.graph, prefill.hidden.clone(), seen[-1])
+        return join(self, prefill, lo, hi, first, tokens)
 
-    monkeypatch.setattr(Stepper, "join_read", spy)
+    def spy_sample(rows, logits):
+        seen.append(logits.clone())
+        return sample_first(rows, logits)
+
+    monkeypatch.setattr(step.Stepper, "join_read", spy_join)
+    monkeypatch.setattr(step, "sample_first", spy_sample)
     for graphs in (True, False):
         stepper = new_stepper(target, build_drafter("none", target), 4, 128, list(eos_ids(target)), graphs=graphs)
         if graphs:  # captured ahead, then other work reuses whatever memory the capture let go
@@ -188,6 +193,49 @@ def test_a_graphed_prefill_is_bitwise_the_eager_one(models, monkeypatch):  # noq
     for slot, prompt in enumerate(prompts):
         for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
             assert torch.equal(a[:, slot, :, : len(prompt)], b[:, slot, :, : len(prompt)])
+
+
+@pytest.mark.parametrize("max_new", [0, 1, 5])
+@pytest.mark.parametrize("stop_at_eos", [True, False])
+def test_the_host_knows_a_first_tokens_outcome_as_append_gives_it(max_new, stop_at_eos):
+    """A join hands its first tokens out before its append has run on the device (step.prefill_stream):
+    the host's outcome (first_token_outcome) must be append's, at EOS, at the length limit and neither."""
+    from specdec.batch import append, first_token_outcome
+
+    for token in (2, 7):  # EOS, and not
+        batch = RowBatch(3, 32, [2, 5], torch.device("cpu"))
+        request = Request([1, 3, 4], max_new, stop_at_eos=stop_at_eos)
+        batch.occupy([1], [request])
+        emitted = torch.tensor([[0], [token], [0]])
+        kept, finish = append(batch, emitted, torch.tensor([0, 1, 0]))
+        assert first_token_outcome(request, token, batch.eos_ids) == (int(kept[1]), int(finish[1])), (token, max_new)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="streams need a CUDA device")
+@pytest.mark.parametrize("name", ["none", "eagle"])
+def test_a_prompt_is_read_beside_the_step_in_flight(models, plain, name):  # noqa: F811
+    """A row joining while a step runs has its prompt read on the prefill stream and its first token on the
+    host before that step ends (here a step held on the device by a kernel that sleeps for about a second);
+    the join itself runs after the step, and both rows decode as alone."""
+    import time
+
+    target, _, draft = models
+    stepper = new_stepper(target, make_drafter(name, target, draft), 2, 128, list(eos_ids(target)))
+    assert stepper.prefill_stream is not None and stepper.capture_prefills(2) > 0  # no capture (a sync) below
+    batch = stepper.batch
+    running = stepper.prefill([0], [Request(PROMPTS[0], MAX_NEW)])[0]
+    batch.gamma.fill_(3)
+    stepper.launch(3)
+    torch.cuda._sleep(2_000_000_000)  # the step in flight ends after this (about a second)
+    t = time.perf_counter()
+    joined = stepper.prefill([1], [Request(PROMPTS[1], MAX_NEW)])[0]
+    waited = time.perf_counter() - t
+    assert joined.generated == plain[1][:1] and waited < 0.3, waited
+    stepper.read()
+    while batch.busy:
+        stepper.launch(3)
+        stepper.read()
+    assert running.generated == plain[0] and joined.generated == plain[1]
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft_model", "eagle", "medusa"])

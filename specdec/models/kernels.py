@@ -23,8 +23,10 @@ instead of the C kernels ("auto" keeps the C kernels).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from functools import cache, wraps
 
@@ -35,6 +37,9 @@ from specdec.errors import UserError
 from specdec.models import fused
 
 CHOICES = ("auto", "exact", "library")
+# Which set of arrival counters the Triton kernels launched here use (triton_ops.counters): one per stream of
+# work that may run at the same time as another's (see counter_lane).
+COUNTER_LANE: ContextVar[str] = ContextVar("counter_lane", default="main")
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -47,6 +52,19 @@ class KernelPath:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def counter_lane(name: str):
+    """Kernels launched (or captured) inside use arrival counters of their own. A split-K or split-KV kernel
+    counts its programs' arrivals in a shared buffer and leaves it at zero, which holds for launches that run
+    one after another, as on one stream; work on a second stream that overlaps the first (a prompt read
+    beside a step, step.prefill_stream) would count into the same counters and break both."""
+    token = COUNTER_LANE.set(name)
+    try:
+        yield
+    finally:
+        COUNTER_LANE.reset(token)
 
 
 def interpreting() -> bool:

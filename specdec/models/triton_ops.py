@@ -66,6 +66,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from specdec.models.kernels import COUNTER_LANE
+
 BLOCK_T = 16  # tokens per GEMM tile (the MMA's N); many rows take wider tiles (token_tile)
 TILE_32_FROM, TILE_64_FROM = 192, 1536  # rows M from which token_tile takes 32- and 64-token tiles (measured: token_tile)
 BLOCK_Q = 16  # query heads (of one token, sharing one KV head) per attention tile
@@ -170,14 +172,15 @@ def launch_options(device: torch.device) -> tuple[bool, dict]:
     return use, ({"launch_pdl": True} if use else {})
 
 
-_COUNTERS: dict[tuple[str, int | None], list[Tensor]] = {}
+_COUNTERS: dict[tuple[str, int | None, str], list[Tensor]] = {}
 
 
 def counters(device: torch.device, n: int) -> Tensor:
-    """Zeroed int32 arrival counters (split-K, split-KV), at least n. Every kernel leaves the counters it
-    used at zero, so one buffer serves all launches of a stream. Buffers are never freed: a CUDA graph may
-    hold the address of an older one."""
-    bufs = _COUNTERS.setdefault((device.type, device.index), [])
+    """Zeroed int32 arrival counters (split-K, split-KV), at least n, of the current counter lane
+    (kernels.counter_lane). Every kernel leaves the counters it used at zero, so one buffer serves all
+    launches that run one after another; work that overlaps it runs in another lane. Buffers are never
+    freed: a CUDA graph may hold the address of an older one."""
+    bufs = _COUNTERS.setdefault((device.type, device.index, COUNTER_LANE.get()), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(1 << 16, next_power_of_2(n)), dtype=torch.int32, device=device))
     return bufs[-1]

@@ -454,10 +454,11 @@ class Scheduler:
 
     def turn(self) -> None:
         """One turn of the decode loop: at most one prefill chunk, then one step over the rows that are ready.
-        With CUDA graphs and nothing joining, a step is launched before the last one is read (`step`). A
-        prefill does not wait for the host to read the step in flight: it is queued behind that step on the
-        device, and the step's outcome goes only to the rows it ran (`Launched.rows`), though a slot freed
-        meanwhile may hold a new row by then."""
+        With CUDA graphs, a step is launched before the last one is read (`step`). A prefill does not wait
+        for the step in flight: on CUDA its prompts are read beside that step on a stream of their own
+        (step.prefill_stream) and its first tokens go out before the step ends; the join (the rows' state)
+        is queued behind the step, whose outcome goes only to the rows it ran (`Launched.rows`), though a
+        slot freed meanwhile may hold a new row by then."""
         try:
             self.drop_cancelled()
             self.admit()
@@ -559,7 +560,9 @@ class Scheduler:
         while the engine-style pipeline is safe (CUDA graphs, a graphable drafter, no rows joining), so
         the host reads step n and hands its tokens out while the device runs step n+1; else none. A row
         that finishes or leaves meanwhile is masked on the device or skipped when its step is read; a
-        different bucket reads the other's steps first."""
+        different bucket reads the other's steps first. Where prompts are read on a stream of their own
+        (step.prefill_stream), a waiting request does not stop the pipeline: its prefill need not queue
+        behind the step in flight."""
         n = self.bucket()
         if self.launched and self.launched[0].n != n:
             self.drain()  # reading the launched steps may finish rows: decide on the rows left
@@ -575,7 +578,8 @@ class Scheduler:
             start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
             self.launched.append(Launch(n, gamma, start))
-            keep = 1 if self.ops.stepper(n).pipelined and not self.waiting and self.ops.prefill is None else 0
+            beside = self.full.prefill_stream is not None or not self.waiting and self.ops.prefill is None
+            keep = 1 if self.ops.stepper(n).pipelined and beside else 0
             while len(self.launched) > keep:
                 self.read_oldest()
         except Exception:
