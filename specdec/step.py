@@ -270,6 +270,7 @@ class StepReport:
     draft_s: float  # this step's propose + commit time
     verify_s: float
     gamma: int  # what the step ran at (Launched.gamma)
+    wait_s: float = 0.0  # the host's wait for this outcome (read)
 
 
 @dataclass
@@ -692,7 +693,8 @@ class Stepper:
         self.times.draft_s += draft_s
         self.times.verify_s += verify_s
         self.times.steps += 1
-        report = StepReport(self.absorb(launched.host.tolist(), launched.rows), draft_s, verify_s, launched.gamma)
+        report = StepReport(self.absorb(launched.host.tolist(), launched.rows), draft_s, verify_s, launched.gamma,
+                            waited - t)
         if launched.done is not None:  # read: its pinned buffer can take a later step's outcome
             self.spare_host.setdefault(tuple(launched.host.shape), []).append(launched.host)
         self.times.wait_s += waited - t

@@ -694,7 +694,9 @@ def test_text_events_from_the_template_equal_the_rendered_chunks(chat):
 def test_metrics_counters_move(server):
     url, _ = server
     before = metrics(url)
+    t = time.perf_counter()
     reply = post(url, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 20, "temperature": 0}).json()
+    reply_seconds = time.perf_counter() - t
     after = metrics(url)
 
     def moved(name: str) -> float:
@@ -711,6 +713,9 @@ def test_metrics_counters_move(server):
     assert moved("specdec_inter_token_latency_seconds_count") == 19
     assert after["specdec_requests_running"] == 0 and after["specdec_requests_waiting"] == 0
     assert after["specdec_tokens_per_second"] > 0 and after["process_resident_memory_bytes"] > 0
+    thread = {part: moved(f'specdec_decode_thread_seconds_total{{part="{part}"}}') for part in ("prefill", "wait", "host")}
+    assert thread["prefill"] > 0 and thread["host"] > 0 and thread["wait"] >= 0, thread  # (a CPU step waits for nothing)
+    assert sum(thread.values()) <= reply_seconds, thread  # no part counted twice
     vllm = f'{{model_name="{MODEL}"}}'  # vLLM's names, for dashboards built for vLLM
     assert moved(f"vllm:spec_decode_num_draft_tokens_total{vllm}") == moved("specdec_drafted_tokens_total")
     assert moved(f"vllm:spec_decode_num_accepted_tokens_total{vllm}") == moved("specdec_accepted_tokens_total")

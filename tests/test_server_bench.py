@@ -44,10 +44,12 @@ def test_bench_serve_measures_every_level(model, tmp_path):
     assert all(0 < lv.server_ttft_mean_ms <= lv.ttft_p99_ms for lv in levels)  # the client's TTFT holds the server's
     assert all(0 <= lv.server_queue_mean_ms < lv.server_ttft_mean_ms for lv in levels)  # the queue is part of it
     assert all(sum(lv.prefill_forwards.values()) >= 1 for lv in levels)  # each request's prompt was read
+    assert all(abs(sum(lv.decode_shares.values()) - 1) < 1e-6 and lv.decode_shares["host"] > 0 for lv in levels)
     files = write_report(tmp_path, {**report_config(plan), "model": health["model"]}, HARDWARE, levels)
     assert {f.name for f in files} == {"results.json", "report.md", "throughput.png"}
     report = (tmp_path / "report.md").read_text()
     assert "| cost" in report and "cost / off at c=2 = " in report and "cost / max(off, on) at c=1 = " in report
+    assert "## The server's decode thread" in report and "- on c=2: idle " in report
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["levels"][5]["lost"] == 0 and results["levels"][5]["rss_growth_mib"] is not None
     assert {t["name"] for t in results["targets"]} >= {"cost / off at c=1", "off: TTFT p50 at c=2 / at c=1"}

@@ -162,6 +162,7 @@ class LevelResult:
     steps_by_gamma: dict[int, int] = field(default_factory=dict)  # the server's decode steps over the level, by gamma
     cost_moves: dict[str, int] = field(default_factory=dict)  # `cost`'s switches and probes over the level
     prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
+    decode_shares: dict[str, float] = field(default_factory=dict)  # its decode thread's time by part (decode_shares)
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
     gpu_allocated_growth_mib: float | None = None
@@ -513,6 +514,7 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         steps_by_gamma=steps_by_gamma(start, end),
         cost_moves=counter_deltas(start, end, "specdec_cost_moves_total", "kind"),
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
+        decode_shares=decode_shares(start, end),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
         gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
@@ -534,10 +536,19 @@ def steps_by_gamma(start: dict[str, float], end: dict[str, float]) -> dict[int, 
     return {int(g): n for g, n in sorted(steps.items(), key=lambda item: int(item[0])) if n}
 
 
-def counter_deltas(start: dict[str, float], end: dict[str, float], name: str, label: str) -> dict[str, int]:
+def counter_deltas(start: dict[str, float], end: dict[str, float], name: str, label: str, cast=int) -> dict:
     """A labelled counter's growth over a level, by the label's value."""
     prefix = f'{name}{{{label}="'
-    return {key[len(prefix):-2]: int(v - start.get(key, 0)) for key, v in end.items() if key.startswith(prefix)}
+    return {key[len(prefix):-2]: cast(v - start.get(key, 0)) for key, v in end.items() if key.startswith(prefix)}
+
+
+def decode_shares(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """The server's decode thread over a level: the share of its time idle, admitting and reading prompts,
+    waiting for steps' outcomes and on the host's side of steps (server/metrics.DECODE_PARTS). Where a
+    first token waits shows here: a thread that waits is paced by the device, one that does not by the host."""
+    seconds = counter_deltas(start, end, "specdec_decode_thread_seconds_total", "part", float)
+    total = sum(seconds.values())
+    return {part: s / total for part, s in seconds.items()} if total > 0 else {}
 
 
 def mean_gamma(steps: dict[int, int]) -> float | None:
@@ -802,6 +813,13 @@ def cost_lines(levels: list[LevelResult]) -> list[str]:
             f"probes {lv.cost_moves.get('probe', '-')}" for lv in levels if lv.policy == "cost"]
 
 
+def decode_lines(levels: list[LevelResult]) -> list[str]:
+    """Per level: the shares of the server's decode thread's time (decode_shares)."""
+    return [f"- {lv.policy} c={lv.concurrency}" + (f" (pass {lv.repeat + 1})" if lv.repeat else "") + ": " +
+            ", ".join(f"{part} {100 * share:.0f} %" for part, share in lv.decode_shares.items())
+            for lv in levels if lv.decode_shares]
+
+
 def describe_sampling(config: dict) -> str:
     sets = config["sampling"]
     return sets[0]["name"] if len(sets) == 1 else "mixed, in turn: " + ", ".join(s["name"] for s in sets)
@@ -838,6 +856,10 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
         *(["## The cost policy's choices", "", "Over each level: the server's steps by the gamma chosen, how often "
            "`cost` changed its choice (switches) and how often it explored another gamma for a few steps "
            "(probes).", "", *cost_lines(levels), ""] if any(lv.policy == "cost" for lv in levels) else []),
+        *(["## The server's decode thread", "", "Its time over each level: idle (no request), prefill (admitting "
+           "requests, reading their prompts, handing first tokens out), wait (for a step's outcome from the "
+           "device), host (launching steps, handing their tokens out).", "", *decode_lines(levels), ""]
+          if any(lv.decode_shares for lv in levels) else []),
     ]
     if plot is not None:
         md += [f"![throughput vs concurrency]({plot.name})", ""]

@@ -33,6 +33,7 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 RATE_WINDOW_S = 10.0
 REQUEST_STATUSES = ("finished", "cancelled", "failed", "rejected")
+DECODE_PARTS = ("idle", "prefill", "wait", "host")  # what the decode thread's time goes to (Scheduler.loop)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ServerMetrics:
         self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
         self.cost_moves = {"switch": 0, "probe": 0}  # `cost`: choices changed, explorations started
         self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
+        self.decode_s = {part: 0.0 for part in DECODE_PARTS}  # the decode thread's seconds, by what it did
         self.ttft = Histogram(TTFT_BUCKETS)
         self.queue_time = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -96,6 +98,11 @@ class ServerMetrics:
     def count_prefill(self, graphed: bool) -> None:
         with self.lock:
             self.prefill_forwards["graph" if graphed else "eager"] += 1
+
+    def add_decode_time(self, part: str, seconds: float) -> None:
+        """Seconds of the decode thread's time spent on `part` (DECODE_PARTS)."""
+        with self.lock:
+            self.decode_s[part] += seconds
 
     def observe_tokens(self, n: int, gap_s: float | None, first: bool, arrival_gap_s: float) -> None:
         """n tokens handed to one request; gap_s since its previous tokens (None for the first)."""
@@ -180,6 +187,11 @@ class ServerMetrics:
                 "# HELP specdec_prefill_forwards_total Prefill chunks read, by a captured graph or eagerly.",
                 "# TYPE specdec_prefill_forwards_total counter",
                 *(f'specdec_prefill_forwards_total{{kind="{k}"}} {n}' for k, n in self.prefill_forwards.items()),
+                "# HELP specdec_decode_thread_seconds_total The decode thread's time: idle (no request), prefill "
+                "(admitting requests, reading their prompts, first tokens handed out), wait (for a step's outcome), "
+                "host (launching steps, handing their tokens out).",
+                "# TYPE specdec_decode_thread_seconds_total counter",
+                *(f'specdec_decode_thread_seconds_total{{part="{k}"}} {s:.6f}' for k, s in self.decode_s.items()),
                 "# HELP specdec_spec_policy_info The speculation policy in force.",
                 "# TYPE specdec_spec_policy_info gauge",
                 f'specdec_spec_policy_info{{policy="{policy}"}} 1',

@@ -337,6 +337,7 @@ class Scheduler:
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
         self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
         self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
+        self.waited = 0.0  # seconds the decode thread has waited for steps' outcomes
         self.captured_for: tuple[str, int] | None = None  # the policy whose step shapes are captured
         self.ready = threading.Event()  # the decode thread has captured its first step shapes
         self.cond = threading.Condition()
@@ -428,7 +429,11 @@ class Scheduler:
             self.capture_steps()
         finally:
             self.ready.set()
-        while self.wait_for_work():
+        while True:
+            idle = time.perf_counter()
+            if not self.wait_for_work():
+                break
+            self.metrics.add_decode_time("idle", time.perf_counter() - idle)
             self.capture_steps()
             self.turn()
 
@@ -459,6 +464,8 @@ class Scheduler:
         (step.prefill_stream) and its first tokens go out before the step ends; the join (the rows' state)
         is queued behind the step, whose outcome goes only to the rows it ran (`Launched.rows`), though a
         slot freed meanwhile may hold a new row by then."""
+        start = stepping = time.perf_counter()
+        waited = self.waited
         try:
             self.drop_cancelled()
             self.admit()
@@ -467,6 +474,8 @@ class Scheduler:
                     launch.timed = False  # its read waits for the prefill too
                 self.read_chunk()
                 self.hand_over()  # first tokens go out before the step
+            stepping = time.perf_counter()
+            self.metrics.add_decode_time("prefill", stepping - start)
             if self.running:
                 self.step()
             if not self.running or self.paused:
@@ -481,6 +490,7 @@ class Scheduler:
                 self.fail(slot, f"internal error: {e}")
         finally:
             self.hand_over()
+            self.metrics.add_decode_time("host", time.perf_counter() - stepping - (self.waited - waited))
 
     def wait_for_work(self) -> bool:
         with self.cond:
@@ -600,6 +610,8 @@ class Scheduler:
         launch = self.launched.popleft()
         report = self.ops.read(launch.n)
         now = time.perf_counter()
+        self.waited += report.wait_s
+        self.metrics.add_decode_time("wait", report.wait_s)
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
             if launch.timed:
                 self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
