@@ -594,35 +594,45 @@ class Stepper:
         self.times.host_s += time.perf_counter() - t
         return launched
 
-    @entry_point
-    def capture_shapes(self, gammas: list[int]) -> int:
-        """Capture now the steps at these gammas, for greedy batches and for sampled ones with no row's top_k
-        above TOP_K_BOUND, so that neither a policy changing gamma from step to step nor a request's usual
-        sampling parameters stall a running batch on a capture (an eager warm-up and three captures; a
-        larger top_k is still captured when first met). Returns how many were new; nothing without graphs."""
+    def missing_shapes(self, gammas: list[int]) -> dict[tuple[int, bool, int], DraftShape]:
+        """The step shapes at these gammas not captured yet (keys as in `captured`), for greedy batches and
+        for sampled ones with no row's top_k above TOP_K_BOUND; none without graphs."""
         if not self.graphs:
-            return 0
-        new, bound = 0, self.batch.sampling.max_top_k
+            return {}
+        missing = {}
         for any_sampled, top_k in ((False, 0), (True, 0), (True, TOP_K_BOUND)):
-            self.batch.sampling.max_top_k = top_k
             for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0], any_sampled)}:
-                key = (gamma, any_sampled, top_k)
-                if key not in self.captured:
-                    self.capture(key, shape)
-                    new += 1
-        self.batch.sampling.max_top_k = bound
-        return new
+                if (gamma, any_sampled, top_k) not in self.captured:
+                    missing[(gamma, any_sampled, top_k)] = shape
+        return missing
 
     @entry_point
-    def capture_prefills(self, max_rows: int) -> int:
-        """Capture now the whole-prompt prefills of up to max_rows rows (PrefillGraphs.shapes), so that no
-        request waits for a capture; how many were new."""
+    def capture_shapes(self, gammas: list[int], done: Callable[[], object] = lambda: None) -> int:
+        """Capture now the missing step shapes at these gammas (missing_shapes), so that neither a policy
+        changing gamma from step to step nor a request's usual sampling parameters stall a running batch on
+        a capture (an eager warm-up and three captures; a larger top_k is still captured when first met).
+        Calls `done` after each (a progress bar's update); returns how many were new."""
+        missing = self.missing_shapes(gammas)
+        for key, shape in missing.items():
+            self.capture(key, shape)
+            done()
+        return len(missing)
+
+    def missing_prefills(self, max_rows: int) -> list[tuple[int, int]]:
+        """The whole-prompt prefill shapes of up to max_rows rows (PrefillGraphs.shapes) not captured yet."""
         if self.prefill_graphs is None:
-            return 0
-        new = [shape for shape in self.prefill_graphs.shapes(max_rows) if shape not in self.prefill_graphs.graphs]
-        for shape in new:
+            return []
+        return [shape for shape in self.prefill_graphs.shapes(max_rows) if shape not in self.prefill_graphs.graphs]
+
+    @entry_point
+    def capture_prefills(self, max_rows: int, done: Callable[[], object] = lambda: None) -> int:
+        """Capture now the missing whole-prompt prefills of up to max_rows rows, so that no request waits for
+        a capture; calls `done` after each, returns how many were new."""
+        missing = self.missing_prefills(max_rows)
+        for shape in missing:
             self.prefill_graphs.capture(shape)
-        return len(new)
+            done()
+        return len(missing)
 
     def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch, observe: bool = False,
                    proposal: Proposal | None = None) -> StepOutput:
@@ -643,10 +653,11 @@ class Stepper:
         drafter (not `graphable`: suffix, lookahead) keeps its propose and commit eager, and only the
         verify forward is captured, reading a copy of each proposal: on a GPU the eager forward costs
         ~17x the graphed one (22.8 against 1.38 ms for the default model on an H200)."""
-        gamma, any_sampled, _ = key
+        gamma, any_sampled, top_k = key
         batch, host = self.batch, not self.drafter.graphable
-        active = batch.active.clone()
+        active, bound = batch.active.clone(), batch.sampling.max_top_k
         batch.active.zero_()
+        batch.sampling.max_top_k = top_k  # the promise the graphs bake in (RowSampling.max_top_k)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with fused.fusing(), torch.cuda.stream(side):
@@ -667,6 +678,7 @@ class Stepper:
                 with torch.cuda.graph(graphs[2], pool=self.pool):
                     self.drafter.commit(batch, out.verified)
         batch.active.copy_(active)
+        batch.sampling.max_top_k = bound
         self.captured[key] = Captured(graphs[0] if gamma and not host else None, graphs[1], None if host else graphs[2], out, static)
         return self.captured[key]
 

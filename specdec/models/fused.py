@@ -14,6 +14,7 @@ SPECDEC_COMPILE=0, the same functions run eagerly; the maths is identical either
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -48,6 +49,9 @@ EAGER: set = set()  # functions whose compilation failed: they run eagerly from 
 @cache
 def compiled(fn):
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    # Its value-range analysis warns for every symbolic power it cannot bound ("failed while executing
+    # pow_by_natural"), dozens of times in a server's start; the bound is only widened, nothing is wrong.
+    logging.getLogger("torch.utils._sympy.interp").setLevel(logging.ERROR)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 

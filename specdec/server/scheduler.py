@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams
@@ -245,9 +246,15 @@ class BatchOps:
 
     def capture_shapes(self, gammas: list[int]) -> int:
         """Capture every bucket's steps at these gammas now (Stepper.capture_shapes), and the whole-prompt
-        prefills of up to a full batch of rows (Stepper.capture_prefills); how many were new."""
-        steps = sum(self.stepper(n).capture_shapes(gammas) for n in self.buckets())
-        return steps + self.full.capture_prefills(self.batch.capacity)
+        prefills of up to a full batch of rows (Stepper.capture_prefills), under a progress bar (minutes
+        for a server's first start on a GPU, most of it compiling); how many were new."""
+        steppers = [self.stepper(n) for n in self.buckets()]
+        total = sum(len(s.missing_shapes(gammas)) for s in steppers) + len(self.full.missing_prefills(self.batch.capacity))
+        shard = getattr(self.full.target, "shard", None)
+        with tqdm(total=total, desc="capturing CUDA graphs", unit="graph",
+                  disable=True if not total or (shard is not None and shard.rank) else None) as bar:
+            steps = sum(s.capture_shapes(gammas, bar.update) for s in steppers)
+            return steps + self.full.capture_prefills(self.batch.capacity, bar.update)
 
     def buckets(self) -> list[int]:
         return sorted({b for b in BUCKETS if b < self.batch.capacity} | {self.batch.capacity})
