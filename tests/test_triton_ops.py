@@ -236,6 +236,21 @@ def test_split_k_counters_are_left_at_zero():
     assert all(int(buf.abs().sum()) == 0 for bufs in triton_ops._COUNTERS.values() for buf in bufs)
 
 
+@needs_triton
+def test_each_counter_lane_has_counters_of_its_own():
+    """Kernels of a prompt read on its own stream (step.prefill_stream) may run while a step's run: their
+    split-K and split-KV arrivals must not count into the step's counters."""
+    from specdec.models import triton_ops
+    from specdec.models.kernels import counter_lane
+
+    device = torch.device(DEVICE)
+    main = triton_ops.counters(device, 8)
+    with counter_lane("prefill"):
+        prefill = triton_ops.counters(device, 8)
+        assert triton_ops.counters(device, 8) is prefill
+    assert prefill.data_ptr() != main.data_ptr() and triton_ops.counters(device, 8) is main
+
+
 # --------------------------------------------------------------------------------------------- attention
 
 S_MAX = 192
