@@ -574,12 +574,11 @@ class Scheduler:
 
     def step(self) -> None:
         """Launch one step over the running rows, then read steps until at most one is in flight: one
-        while the engine-style pipeline is safe (CUDA graphs, a graphable drafter, no rows joining), so
-        the host reads step n and hands its tokens out while the device runs step n+1; else none. A row
-        that finishes or leaves meanwhile is masked on the device or skipped when its step is read; a
-        different bucket reads the other's steps first. Where prompts are read on a stream of their own
-        (step.prefill_stream), a waiting request does not stop the pipeline: its prefill need not queue
-        behind the step in flight."""
+        while the engine-style pipeline is safe (CUDA graphs, a graphable drafter, and either prompts read
+        on a stream of their own (step.prefill_stream) or no request waiting or joining, whose prefill would
+        queue behind the step in flight), so the host reads step n and hands its tokens out while the
+        device runs step n+1; else none. A row that finishes or leaves meanwhile is masked on the device or
+        skipped when its step is read; a different bucket reads the other's steps first."""
         n = self.bucket()
         if self.launched and self.launched[0].n != n:
             self.drain()  # reading the launched steps may finish rows: decide on the rows left
