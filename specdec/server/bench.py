@@ -782,13 +782,18 @@ def format_checks(checks: list[TargetCheck]) -> list[str]:
             f"{'met' if c.met else 'missed'}" for c in checks]
 
 
+def level_name(lv: LevelResult) -> str:
+    """How a report's lines name a level: "cost c=32", and its pass after the first ("cost c=32 (pass 2)")."""
+    return f"{lv.policy} c={lv.concurrency}" + (f" (pass {lv.repeat + 1})" if lv.repeat else "")
+
+
 def request_lines(levels: list[LevelResult]) -> list[str]:
     """Per level: outcomes, the server's cancellations, what was left running, outcomes per sampling set."""
     lines = []
     for lv in levels:
         sets = "; ".join(f"{name}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
                          for name, counts in lv.sampling.items())
-        lines.append(f"- {lv.policy} c={lv.concurrency}: {lv.requests} sent, {lv.ok} ok, {lv.disconnected} "
+        lines.append(f"- {level_name(lv)}: {lv.requests} sent, {lv.ok} ok, {lv.disconnected} "
                      f"disconnected, {lv.lost} lost; server cancelled {lv.server_cancelled}; running / waiting after "
                      f"the level {lv.running_after} / {lv.waiting_after} ({sets})")
     return lines
@@ -800,7 +805,7 @@ def memory_lines(levels: list[LevelResult]) -> list[str]:
         samples = ", ".join(f"{m.requests_done}: {fmt(m.rss_mib)}" + (
             "" if m.gpu_reserved_mib is None else f" / {fmt(m.gpu_allocated_mib)} / {fmt(m.gpu_reserved_mib)}")
             for m in lv.memory)
-        lines.append(f"- {lv.policy} c={lv.concurrency}: growth RSS {fmt(lv.rss_growth_mib)}, GPU allocated "
+        lines.append(f"- {level_name(lv)}: growth RSS {fmt(lv.rss_growth_mib)}, GPU allocated "
                      f"{fmt(lv.gpu_allocated_growth_mib)}, GPU reserved {fmt(lv.gpu_reserved_growth_mib)} MiB; "
                      f"after N requests ({samples})")
     return lines
@@ -808,15 +813,13 @@ def memory_lines(levels: list[LevelResult]) -> list[str]:
 
 def cost_lines(levels: list[LevelResult]) -> list[str]:
     """Per `cost` level: its steps by gamma and its moves (choices changed, explorations started)."""
-    return [f"- cost c={lv.concurrency}" + (f" (pass {lv.repeat + 1})" if lv.repeat else "") +
-            f": steps by gamma {lv.steps_by_gamma or '-'}; switches {lv.cost_moves.get('switch', '-')}, "
+    return [f"- {level_name(lv)}: steps by gamma {lv.steps_by_gamma or '-'}; switches {lv.cost_moves.get('switch', '-')}, "
             f"probes {lv.cost_moves.get('probe', '-')}" for lv in levels if lv.policy == "cost"]
 
 
 def decode_lines(levels: list[LevelResult]) -> list[str]:
     """Per level: the shares of the server's decode thread's time (decode_shares)."""
-    return [f"- {lv.policy} c={lv.concurrency}" + (f" (pass {lv.repeat + 1})" if lv.repeat else "") + ": " +
-            ", ".join(f"{part} {100 * share:.0f} %" for part, share in lv.decode_shares.items())
+    return [f"- {level_name(lv)}: " + ", ".join(f"{part} {100 * share:.0f} %" for part, share in lv.decode_shares.items())
             for lv in levels if lv.decode_shares]
 
 
@@ -849,7 +852,7 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
             format_medians(levels), ""] if max(lv.repeat for lv in levels) else []),
         "## Targets (issue 13), from the levels above (medians over passes)", "", *format_checks(checks), "",
         "## Requests", "", *request_lines(levels),
-        *[f"- {lv.policy} c={lv.concurrency}: {e}" for lv in levels for e in lv.errors],
+        *[f"- {level_name(lv)}: {e}" for lv in levels for e in lv.errors],
         "", "## Server memory", "",
         "MiB, RSS (/ GPU allocated / GPU reserved on CUDA), sampled after N requests of the level.", "",
         *memory_lines(levels), "",
