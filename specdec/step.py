@@ -421,12 +421,16 @@ class Stepper:
         self.times = StepTimes()
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
-        self.prefill_stream = prefill_stream(target, self.device)
         self.joined: torch.cuda.Event | None = None  # recorded after the last join: its scratch cache is read
 
     @property
     def device(self) -> torch.device:
         return self.batch.device
+
+    @functools.cached_property
+    def prefill_stream(self) -> torch.cuda.Stream | None:
+        """Made when first asked for: of a server's steppers (one per bucket) only the full batch's reads prompts."""
+        return prefill_stream(self.target, self.device)
 
     # ---- rows joining --------------------------------------------------------------------------
 
