@@ -505,16 +505,18 @@ class Stepper:
             if p.left == m:
                 return []
             first = sample_first(p.rows[p.left : m], out.logits[p.left : m, 0])  # [k]
-            tokens = read_host(first)  # waits for this read only, not for a step in flight
+            tokens = to_host(first)
         return self.join_read(p, p.left, m, first, tokens)
 
-    def join_read(self, prefill: Prefill, lo: int, hi: int, first: Tensor, tokens: list[int]) -> list[Row]:
+    def join_read(self, prefill: Prefill, lo: int, hi: int, first: Tensor, tokens: HostCopy) -> list[Row]:
         """Rows lo..hi-1 of a prefill have read their prompts and sampled their first tokens (`first` [hi-lo]
-        on the device, `tokens` on the host). The host hands the tokens to the rows at once; on the device,
-        after the step in flight, their keys and values go into their slots of the target cache, the first
-        tokens are appended (and counted as draws where a row samples), and the drafter is told, with the
-        target's hidden states over their right-padded prompts, exactly as when the whole prompts are read
-        in one forward."""
+        on the device, `tokens` on their way to the host). On the device, after the step in flight, their
+        keys and values go into their slots of the target cache, the first tokens are appended (and counted
+        as draws where a row samples), and the drafter is told, with the target's hidden states over their
+        right-padded prompts, exactly as when the whole prompts are read in one forward. Then the host
+        reads the tokens (waiting for the prompt read only, which ran while this was queued: on a GPU the
+        join's host work, 2.5-3 ms for EAGLE on the default model, hid most of that read) and hands them
+        to the rows."""
         batch, p = self.batch, prefill
         if self.prefill_stream is not None:  # the read's tensors, made on the prefill stream, are used here too
             torch.cuda.current_stream().wait_stream(self.prefill_stream)
@@ -538,7 +540,7 @@ class Stepper:
             self.joined = torch.cuda.Event()
             self.joined.record()
         packed = [[0] * 6 for _ in range(batch.capacity)]  # as a step's outcome: emitted token, then the counts
-        for row, token in zip(rows, tokens):
+        for row, token in zip(rows, tokens.values()):
             kept, finish = first_token_outcome(row.request, token, batch.eos_ids)
             packed[row.slot] = [token, kept, 0, 0, 0, finish]
         self.absorb(packed, {r.slot: r for r in rows})
@@ -717,6 +719,11 @@ class Stepper:
         self.times.host_s += time.perf_counter() - waited
         return report
 
+    def ready(self) -> bool:
+        """Whether the oldest step in flight has ended on the device (`read` would not wait)."""
+        done = self.in_flight[0].done
+        return done is None or done.query()
+
     def absorb(self, packed: list[list[int]], rows: dict[int, Row]) -> list[RowStep]:
         """Append the emitted tokens of each of `rows` (by slot) still in the batch and running, apply stop
         strings, count the step, note finishes. `packed` covers this stepper's slots; rows beyond them (a
@@ -744,16 +751,29 @@ class Stepper:
         return steps
 
 
-def read_host(t: Tensor) -> list:
-    """t's values on the host, once every kernel queued before has run: the deliberate wait of a read,
-    through an event (as a step's outcome is read), not a synchronous copy."""
+@dataclass
+class HostCopy:
+    """A device tensor's values on their way to the host (`to_host`)."""
+
+    host: Tensor
+    done: torch.cuda.Event | None = None  # recorded behind the copy, on the stream it was queued on
+
+    def values(self) -> list:
+        """The values, once the copy and the work queued before it on its stream have run (a deliberate wait,
+        through an event, as a step's outcome is read; not for work on other streams)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+def to_host(t: Tensor) -> HostCopy:
+    """Start copying t to the host, behind the work queued on the current stream."""
     if t.device.type != "cuda":
-        return t.tolist()
+        return HostCopy(t)
     host = t.to("cpu", non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    done.synchronize()
-    return host.tolist()
+    return HostCopy(host, done)
 
 
 def new_stepper(target, drafter: Drafter, capacity: int, max_len: int, eos_ids: list[int],
