@@ -581,60 +581,6 @@ def test_the_decode_loop_waits_for_the_device_only_to_read(model, drafter, caplo
         assert tokens[i] == plain[i % 3].token_ids[: len(tokens[i])] and len(tokens[i]) in (8 + 5 * i, len(plain[i % 3].token_ids))
 
 
-@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="prompts are read beside a step on CUDA only")
-def test_a_request_arriving_during_a_step_is_admitted_beside_it(model, monkeypatch):
-    """Scheduler.admit_while_waiting: a request that arrives while the decode thread waits for a step is
-    admitted and its prompt read beside that step, not after it. Here every step is held on the device for
-    about half a second (and expected to last longer), so the new request's first token must come before
-    the step it arrived during ends; both rows then decode as alone."""
-    import specdec.step as step
-
-    class Expected(dict):  # every step is expected to take 2 s on the device
-        def get(self, key, default=None):
-            return 2.0
-
-        def __setitem__(self, key, value):
-            pass
-
-    held = {"cycles": 0}
-    copy_out = step.Stepper.copy_out
-
-    def held_copy_out(self, *args):
-        if held["cycles"]:
-            torch.cuda._sleep(held["cycles"])  # before the step's outcome is copied: the step ends after it
-        return copy_out(self, *args)
-
-    monkeypatch.setattr(step.Stepper, "copy_out", held_copy_out)
-    scheduler = make_scheduler(model, drafter=build_drafter("none", model), max_batch=2)
-    scheduler.device_s = Expected()
-    firsts, tokens, finished = {}, {}, threading.Semaphore(0)
-
-    def emit_to(i: int):
-        def emit(event: Event) -> None:
-            firsts.setdefault(i, time.perf_counter())
-            tokens.setdefault(i, []).extend(event.token_ids)
-            if event.final:
-                finished.release()
-        return emit
-
-    prompts = [model.tokenizer(PROMPTS[i])["input_ids"] for i in range(2)]
-    scheduler.start()
-    try:
-        scheduler.submit(GenerationRequest(prompts[0], 6, SamplingParams(), (), emit_to(0)))
-        while 0 not in firsts:
-            time.sleep(0.01)
-        held["cycles"] = 1_000_000_000  # about half a second on the device per step from here on
-        time.sleep(0.2)  # a held step is in flight and the decode thread waits for it
-        submitted = time.perf_counter()
-        scheduler.submit(GenerationRequest(prompts[1], 4, SamplingParams(), (), emit_to(1)))
-        assert all(finished.acquire(timeout=60) for _ in range(2))
-    finally:
-        scheduler.stop()
-    assert firsts[1] - submitted < 0.3, firsts[1] - submitted
-    plain = SpecEngine(model, "none").generate(prompts, SpecConfig(max_new_tokens=6)).rows
-    assert tokens[0] == plain[0].token_ids and tokens[1] == plain[1].token_ids[:4]
-
-
 def test_disconnect_cancels_the_request_and_frees_its_row(server):
     url, scheduler = server
     before = metrics(url)

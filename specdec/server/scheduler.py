@@ -299,10 +299,6 @@ class BatchOps:
     def read(self, n: int) -> StepReport:
         return self.stepper(n).read()
 
-    def ready(self, n: int) -> bool:
-        """Whether the oldest step launched on the first n slots has ended on the device."""
-        return self.stepper(n).ready()
-
     def forget(self, n: int) -> None:
         """Drop the steps launched on the first n slots unread."""
         self.stepper(n).in_flight.clear()
@@ -348,8 +344,7 @@ class Scheduler:
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
         self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
         self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
-        self.spent = 0.0  # decode-thread seconds counted by `spend` (the rest of a turn is host time)
-        self.device_s: dict[tuple[int, int], float] = {}  # (bucket, gamma) -> the last such step's device seconds
+        self.waited = 0.0  # seconds the decode thread has waited for steps' outcomes
         self.captured_for: tuple[str, int] | None = None  # the policy whose step shapes are captured
         self.ready = threading.Event()  # the decode thread has captured its first step shapes
         self.cond = threading.Condition()
@@ -476,11 +471,18 @@ class Scheduler:
         (step.prefill_stream) and its first tokens go out before the step ends; the join (the rows' state)
         is queued behind the step, whose outcome goes only to the rows it ran (`Launched.rows`), though a
         slot freed meanwhile may hold a new row by then."""
-        start = time.perf_counter()
-        spent = self.spent
+        start = stepping = time.perf_counter()
+        waited = self.waited
         try:
             self.drop_cancelled()
-            self.read_prompts()
+            self.admit()
+            if self.ops.prefill is not None:
+                for launch in self.launched:
+                    launch.timed = False  # its read waits for the prefill too
+                self.read_chunk()
+                self.hand_over()  # first tokens go out before the step
+            stepping = time.perf_counter()
+            self.metrics.add_decode_time("prefill", stepping - start)
             if self.running:
                 self.step()
             if not self.running or self.paused:
@@ -495,25 +497,7 @@ class Scheduler:
                 self.fail(slot, f"internal error: {e}")
         finally:
             self.hand_over()
-            self.metrics.add_decode_time("host", time.perf_counter() - start - (self.spent - spent))
-
-    def spend(self, part: str, seconds: float) -> None:
-        """Count decode-thread seconds of a part other than host (metrics.DECODE_PARTS); `turn` counts the
-        rest of its time as host."""
-        self.spent += seconds
-        self.metrics.add_decode_time(part, seconds)
-
-    def read_prompts(self) -> None:
-        """Admit waiting requests (a prefill group), read a chunk of the group's prompts and hand the first
-        tokens out."""
-        start = time.perf_counter()
-        self.admit()
-        if self.ops.prefill is not None:
-            for launch in self.launched:
-                launch.timed = False  # its read waits for the prefill too
-            self.read_chunk()
-            self.hand_over()  # first tokens go out before the step
-        self.spend("prefill", time.perf_counter() - start)
+            self.metrics.add_decode_time("host", time.perf_counter() - stepping - (self.waited - waited))
 
     def wait_for_work(self) -> bool:
         with self.cond:
@@ -613,7 +597,7 @@ class Scheduler:
             beside = self.full.prefill_stream is not None or not self.waiting and self.ops.prefill is None
             keep = 1 if self.ops.stepper(n).pipelined and beside else 0
             while len(self.launched) > keep:
-                self.read_oldest(admitting=True)
+                self.read_oldest()
         except Exception:
             if self.device_lost():
                 return
@@ -627,46 +611,19 @@ class Scheduler:
         """The smallest bucket holding every running row's slot."""
         return bucket_for(max(self.running) + 1, self.config.max_batch)
 
-    def read_oldest(self, admitting: bool = False) -> None:
-        """Read the oldest launched step and hand its tokens out; `admitting` (a step's read) on CUDA: admit
-        requests arriving while it runs (admit_while_waiting)."""
-        if admitting and self.full.prefill_stream is not None:
-            self.admit_while_waiting(self.launched[0])
+    def read_oldest(self) -> None:
+        """Read the oldest launched step and hand its tokens out."""
         launch = self.launched.popleft()
         report = self.ops.read(launch.n)
         now = time.perf_counter()
-        self.spend("wait", report.wait_s)
+        self.waited += report.wait_s
+        self.metrics.add_decode_time("wait", report.wait_s)
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
             if launch.timed:
                 self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
-            self.device_s[launch.n, launch.gamma] = report.draft_s + report.verify_s
             self.absorb_reports([report], launch.gamma)
         self.last_read = now
         self.remove_finished()
-
-    def admit_while_waiting(self, launch: Launch) -> None:
-        """Until ADMIT_WAIT_SHARE of the launched step's expected device time (the last such step's) has
-        passed, sleep until a request arrives, admit it and read its prompt beside the step (step.prefill_stream).
-        Then return: the read blocks on the device. Under load a client's next request arrives a round trip
-        after its last token went out, just after the next turn's admission, and without this it waited a
-        whole turn (at 32 clients on an H200 about 9 ms of a 15-20 ms TTFT)."""
-        expected = self.device_s.get((launch.n, launch.gamma))
-        if expected is None:
-            return
-        deadline = max(launch.start, self.last_read) + ADMIT_WAIT_SHARE * expected
-        while True:
-            slept = time.perf_counter()
-            with self.cond:
-                while not (self.waiting and self.ops.prefill is None and len(self.batch.rows) < self.batch.capacity):
-                    left = deadline - time.perf_counter()
-                    if left <= 0 or self.paused or self.stopping:
-                        break
-                    self.cond.wait(left)  # woken by submit (and by any other change of the queue)
-            self.spend("wait", time.perf_counter() - slept)
-            if time.perf_counter() >= deadline or self.paused or self.stopping or self.ops.ready(launch.n):
-                return
-            self.drop_cancelled()
-            self.read_prompts()
 
     def drain(self) -> None:
         while self.launched:
@@ -793,9 +750,6 @@ class Scheduler:
         del self.running[slot]
         with self.cond:
             self.cond.notify_all()
-
-
-ADMIT_WAIT_SHARE = 0.8  # of a step's expected device time, spent admitting arrivals before blocking on it
 
 
 @dataclass
