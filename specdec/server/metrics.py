@@ -74,6 +74,7 @@ class ServerMetrics:
         self.cost_moves = {"switch": 0, "probe": 0}  # `cost`: choices changed, explorations started
         self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
         self.decode_s = {part: 0.0 for part in DECODE_PARTS}  # the decode thread's seconds, by what it did
+        self.idle_since: float | None = None  # when the decode thread began waiting for work, while it does
         self.ttft = Histogram(TTFT_BUCKETS)
         self.queue_time = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -103,6 +104,22 @@ class ServerMetrics:
         """Seconds of the decode thread's time spent on `part` (DECODE_PARTS)."""
         with self.lock:
             self.decode_s[part] += seconds
+
+    def start_idle(self) -> None:
+        """The decode thread waits for work from now on: its idle time counts as it goes, so a scrape during a
+        busy spell that follows a long idle one does not see the whole idle spell land in it."""
+        with self.lock:
+            self.idle_since = time.perf_counter()
+
+    def end_idle(self) -> None:
+        with self.lock:
+            self.decode_s["idle"] += time.perf_counter() - self.idle_since
+            self.idle_since = None
+
+    def decode_seconds(self) -> dict[str, float]:
+        """decode_s with the idle spell in progress; call under the lock."""
+        idle = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
+        return {**self.decode_s, "idle": self.decode_s["idle"] + idle}
 
     def observe_tokens(self, n: int, gap_s: float | None, first: bool, arrival_gap_s: float) -> None:
         """n tokens handed to one request; gap_s since its previous tokens (None for the first)."""
@@ -191,7 +208,7 @@ class ServerMetrics:
                 "(admitting requests, reading their prompts, first tokens handed out), wait (for a step's outcome), "
                 "host (launching steps, handing their tokens out).",
                 "# TYPE specdec_decode_thread_seconds_total counter",
-                *(f'specdec_decode_thread_seconds_total{{part="{k}"}} {s:.6f}' for k, s in self.decode_s.items()),
+                *(f'specdec_decode_thread_seconds_total{{part="{k}"}} {s:.6f}' for k, s in self.decode_seconds().items()),
                 "# HELP specdec_spec_policy_info The speculation policy in force.",
                 "# TYPE specdec_spec_policy_info gauge",
                 f'specdec_spec_policy_info{{policy="{policy}"}} 1',

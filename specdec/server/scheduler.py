@@ -437,10 +437,11 @@ class Scheduler:
         finally:
             self.ready.set()
         while True:
-            idle = time.perf_counter()
-            if not self.wait_for_work():
+            self.metrics.start_idle()
+            working = self.wait_for_work()
+            self.metrics.end_idle()
+            if not working:
                 break
-            self.metrics.add_decode_time("idle", time.perf_counter() - idle)
             self.capture_steps()
             self.turn()
 
