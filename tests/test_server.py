@@ -260,14 +260,14 @@ def test_prompts_are_encoded_while_the_decode_thread_decodes(model):
     not hold up a new request's prompt (and with it every stream the event loop serves)."""
     codec = Codec(model.tokenizer)
     decoding, release = threading.Event(), threading.Event()
-    real = codec.decoder.decode
+    real = codec.decode_ids
 
-    def slow_decode(ids, **kwargs):
+    def slow_decode(ids):
         decoding.set()
         release.wait(10)
-        return real(ids, **kwargs)
+        return real(ids)
 
-    codec.decoder.decode = slow_decode
+    codec.decode_ids = slow_decode
     thread = threading.Thread(target=codec.decode, args=([5, 6, 7],))
     thread.start()
     try:
@@ -280,6 +280,32 @@ def test_prompts_are_encoded_while_the_decode_thread_decodes(model):
     finally:
         release.set()
         thread.join()
+
+
+def test_the_decode_thread_decodes_with_the_rust_tokenizer_where_it_gives_the_same_text(default_model):
+    """Codec decodes with the fast tokenizer's Rust decoder (half the host time of a row's step: 31 -> 17 us
+    on a 2-core CPU) only where the Python decode adds nothing: the same text as the Python decode on random
+    ids (special ones among them) for the default model's tokenizer; none for a tokenizer that cleans up
+    spaces (WordPiece's " ." -> ".")."""
+    import random
+
+    from specdec.server.scheduler import direct_decoder
+
+    tokenizer = default_model.tokenizer
+    direct = direct_decoder(tokenizer)
+    assert direct is not None
+    rng, special = random.Random(0), sorted(tokenizer.all_special_ids)
+    for _ in range(200):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 12))]
+        assert direct(ids) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+    class FastCleaningUp(CleaningUp):
+        backend_tokenizer = tokenizer.backend_tokenizer
+
+        def __call__(self, text, **kwargs):
+            return self.tokenizer(text, **kwargs)
+
+    assert direct_decoder(FastCleaningUp(tokenizer)) is None and direct_decoder(CleaningUp(tokenizer)) is None
 
 
 @pytest.mark.parametrize("cleanup", [False, True], ids=["plain", "cleaning_up"])
