@@ -243,10 +243,9 @@ class Captured:
 
 @dataclass
 class Launched:
-    """A step on its way: where its packed outcome will land and the events that time it."""
+    """A step on its way: its packed outcome on the way to the host and the events that time it."""
 
-    host: Tensor  # [B, D+1+5] (pinned on CUDA)
-    done: torch.cuda.Event | None
+    outcome: HostCopy  # [B, D+1+5] (pinned on CUDA)
     watch: Stopwatch
     record: StepRecord | None
     gamma: int  # what the step ran at (0 where the drafter proposed nothing at the gamma asked)
@@ -690,20 +689,16 @@ class Stepper:
 
     def copy_out(self, out: StepOutput, watch: Stopwatch, gamma: int) -> Launched:
         if self.device.type != "cuda":
-            return Launched(out.packed.clone(), None, watch, out.record, gamma)
+            return Launched(HostCopy(out.packed.clone()), watch, out.record, gamma)  # the next step reuses packed
         spare = self.spare_host.get(tuple(out.packed.shape))
         host = spare.pop() if spare else torch.empty(out.packed.shape, dtype=out.packed.dtype, pin_memory=True)
-        host.copy_(out.packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return Launched(host, done, watch, out.record, gamma)
+        return Launched(to_host(out.packed, host), watch, out.record, gamma)
 
     def read(self) -> StepReport:
         """Wait for the oldest launched step and hand its outcome to the rows."""
         launched = self.in_flight.popleft()
         t = time.perf_counter()
-        if launched.done is not None:
-            launched.done.synchronize()
+        launched.outcome.wait()
         waited = time.perf_counter()
         w = launched.watch
         draft_s = w.seconds("start", "drafted") + w.seconds("verified", "committed")
@@ -711,10 +706,10 @@ class Stepper:
         self.times.draft_s += draft_s
         self.times.verify_s += verify_s
         self.times.steps += 1
-        report = StepReport(self.absorb(launched.host.tolist(), launched.rows), draft_s, verify_s, launched.gamma,
-                            waited - t)
-        if launched.done is not None:  # read: its pinned buffer can take a later step's outcome
-            self.spare_host.setdefault(tuple(launched.host.shape), []).append(launched.host)
+        host = launched.outcome.host
+        report = StepReport(self.absorb(host.tolist(), launched.rows), draft_s, verify_s, launched.gamma, waited - t)
+        if launched.outcome.done is not None:  # read: its pinned buffer can take a later step's outcome
+            self.spare_host.setdefault(tuple(host.shape), []).append(host)
         self.times.wait_s += waited - t
         self.times.host_s += time.perf_counter() - waited
         return report
@@ -753,19 +748,23 @@ class HostCopy:
     host: Tensor
     done: torch.cuda.Event | None = None  # recorded behind the copy, on the stream it was queued on
 
-    def values(self) -> list:
-        """The values, once the copy and the work queued before it on its stream have run (a deliberate wait,
-        through an event, as a step's outcome is read; not for work on other streams)."""
+    def wait(self) -> None:
+        """Until the copy and the work queued before it on its stream have run: a deliberate wait, through an
+        event, not for work on other streams."""
         if self.done is not None:
             self.done.synchronize()
+
+    def values(self) -> list:
+        self.wait()
         return self.host.tolist()
 
 
-def to_host(t: Tensor) -> HostCopy:
-    """Start copying t to the host, behind the work queued on the current stream."""
+def to_host(t: Tensor, into: Tensor | None = None) -> HostCopy:
+    """Start copying t to the host (into `into`, a pinned buffer of its shape, where given), behind the work
+    queued on the current stream: a step's outcome (Stepper.copy_out), a joining row's first token."""
     if t.device.type != "cuda":
         return HostCopy(t)
-    host = t.to("cpu", non_blocking=True)
+    host = t.to("cpu", non_blocking=True) if into is None else into.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
     return HostCopy(host, done)
