@@ -98,7 +98,8 @@ class PrefillGraphs:
     Triton launches per layer: 11-14 ms for the default model on an H200, over 0.7-3 ms of GPU work), and
     a server pays one for every group of joining requests. A group of m rows whose longest prompt has w
     tokens runs padded to R x S: R rows (the next power of two) and S positions (the next power of two, at
-    least MIN_SPAN), the padding token 0 after the real tokens and in spare rows. Only for the exact
+    least MIN_SPAN), the padding token 0 after the real tokens; spare rows read the first row's prompt
+    again, so their outputs are that row's bits (step.JoinGraph writes them to its slot). Only for the exact
     kernels: every per-token output is then bitwise invariant to the batch and the block it is computed
     in, so the padding changes no real row's logits, hidden states or keys and values. Every shape's
     scratch cache is a view of one buffer of `max_tokens` slots, and one prefill is read at a time.
@@ -137,10 +138,12 @@ class PrefillGraphs:
         at `last` [m]: views [:m] of the output buffers, valid until the next replay."""
         g = self.graphs[key]
         m, w = block.shape
+        R = len(g.last)
         g.tokens.zero_()
         g.tokens[:m, :w] = block
-        g.last.zero_()
+        g.tokens[m:, :w] = block[:1].expand(R - m, w)  # spare rows read the first prompt: a padded join (step.JoinGraph)
         g.last[:m] = last
+        g.last[m:] = last[:1].expand(R - m)
         g.scratch.lengths.zero_()
         g.graph.replay()
         aux = None if g.out.aux is None else g.out.aux[:m, :w]

@@ -48,7 +48,7 @@ from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import counter_lane, kernel_path
 from specdec.models.llama import ModelOutput, aux_args
 from specdec.sampling import RowSampling, logits_to_probs, sample, uniforms
-from specdec.transfer import to_device
+from specdec.transfer import fill_slot, to_device
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
 # What the host reads back per slot, after the D+1 emitted tokens.
@@ -242,6 +242,29 @@ class Captured:
 
 
 @dataclass
+class JoinGraph:
+    """A whole-prompt prefill shape's join (join_rows over its R rows, `span` positions) as a CUDA graph.
+    An eager join is a hundred or so small launches (the cache copies, `append`, EAGLE's or a draft model's
+    pass over the prompts): 3-5 ms of host work per group with EAGLE on the default model on an H200, at
+    the head of every first token. Its inputs are static buffers. Rows past a group's copy its first
+    row, as the prefill's padded rows read its first prompt (PrefillGraphs.forward): a slot written more
+    than once gets its own bits every time."""
+
+    graph: torch.cuda.CUDAGraph
+    index: Tensor  # [R] slots
+    first: Tensor  # [R] first tokens
+    sampled: Tensor  # [R] 1 where a row samples
+
+    def replay(self, index: Tensor, first: Tensor, sampled: Tensor) -> None:
+        """Join the rows in slots index [k] (k <= R; first and sampled [k] as join_rows takes them)."""
+        k = len(index)
+        for buffer, t in ((self.index, index), (self.first, first), (self.sampled, sampled)):
+            buffer[:k].copy_(t)
+            buffer[k:].copy_(t[:1].expand(len(buffer) - k))
+        self.graph.replay()
+
+
+@dataclass
 class Launched:
     """A step on its way: its packed outcome on the way to the host and the events that time it."""
 
@@ -324,6 +347,28 @@ def sample_first(rows: list[Row], logits: Tensor) -> Tensor:
     sampling.max_top_k = top_k_bound([p for p in params if not p.greedy])
     seeds = to_device([r.seed for r in rows], logits.device)  # [k]
     return sample(logits_to_probs(logits, sampling), uniforms(seeds, torch.zeros_like(seeds), 1)[:, 0])
+
+
+def join_rows(batch: RowBatch, cache: KVCache, drafter: Drafter, index: Tensor, first: Tensor, sampled: Tensor,
+              keys: Tensor, values: Tensor, hidden: Tensor, span: int) -> None:
+    """The device side of rows joining: the rows in slots index [k] have read their prompts (keys and values
+    [L, k, H, >= span, Dh], drafter features hidden [k, >= span, Dm]; past a prompt, padding) and
+    sampled their first tokens first [k] (sampled [k]: 1 where a row samples, that token's draw). Their keys
+    and values go into their slots, the first tokens are appended (EOS and length stops, as a step's), and a
+    graph-safe drafter (`graphable`) is told. Graph-safe: shapes are fixed by k and span. A slot may appear
+    more than once in `index` where its duplicates carry its own bits (a captured join pads so: JoinGraph)."""
+    cache.k[:, index, :, :span] = keys[:, :, :, :span]
+    cache.v[:, index, :, :span] = values[:, :, :, :span]
+    cache.lengths[index] = batch.prompt_length[index]
+    batch.active.index_fill_(0, index, True)
+    batch.draws[index] += sampled
+    emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=batch.device)
+    emitted[index, 0] = first
+    joining = torch.zeros(batch.capacity, dtype=torch.long, device=batch.device)
+    joining.index_fill_(0, index, 1)
+    append(batch, emitted, joining)
+    if drafter.graphable:
+        drafter.join(batch, index, hidden[:, :span])
 
 
 def prefill_stream(target, device: torch.device) -> torch.cuda.Stream | None:
@@ -421,6 +466,10 @@ class Stepper:
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
         self.joined: torch.cuda.Event | None = None  # recorded after the last join: its scratch cache is read
+        self.join_graphs: dict[tuple[int, int], JoinGraph] = {}  # by prefill shape (capture_prefills)
+        # a pool of their own: a join leaves nothing in it, and a step graph captured later must not place
+        # its outputs where a join's scratch goes
+        self.join_pool = torch.cuda.graph_pool_handle() if self.prefill_graphs is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -512,7 +561,9 @@ class Stepper:
         on the device, `tokens` on their way to the host). On the device, after the step in flight, their
         keys and values go into their slots of the target cache, the first tokens are appended (and counted
         as draws where a row samples), and the drafter is told, with the target's hidden states over their
-        right-padded prompts, exactly as when the whole prompts are read in one forward. Then the host
+        right-padded prompts, exactly as when the whole prompts are read in one forward (join_rows; one
+        replay of the prefill shape's JoinGraph where a whole group was read by a captured prefill; a host
+        drafter's join runs after it, eagerly). Then the host
         reads the tokens (waiting for the prompt read only, which ran on the device while the host queued
         this: with EAGLE on the default model on an H200, 3-3.6 ms of host work at one client, after which
         the first tokens were there) and hands them to the rows."""
@@ -521,20 +572,17 @@ class Stepper:
             torch.cuda.current_stream().wait_stream(self.prefill_stream)
             for t in (first, p.hidden, p.scratch.k, p.scratch.v):
                 t.record_stream(torch.cuda.current_stream())
-        index, T = p.index[lo:hi], p.lengths[lo]  # [k]; the longest of these prompts
-        self.cache.k[:, index, :, :T] = p.scratch.k[:, lo:hi, :, :T]
-        self.cache.v[:, index, :, :T] = p.scratch.v[:, lo:hi, :, :T]
-        self.cache.lengths[index] = batch.prompt_length[index]
-        batch.active.index_fill_(0, index, True)
         rows = p.rows[lo:hi]
-        if not all(r.request.sampling.greedy for r in rows):
-            batch.draws[index] += 1  # the first token's draw (sample_first)
-        emitted = torch.zeros(batch.capacity, 1, dtype=torch.long, device=self.device)
-        emitted[index, 0] = first
-        joining = torch.zeros(batch.capacity, dtype=torch.long, device=self.device)
-        joining.index_fill_(0, index, 1)
-        append(batch, emitted, joining)
-        self.drafter.join(batch, index, p.hidden[lo:hi, :T])
+        sampled = to_device([int(not r.request.sampling.greedy) for r in rows], self.device)  # [k]
+        index, T = p.index[lo:hi], p.lengths[lo]  # [k]; the longest of these prompts
+        graph = self.join_graphs.get(p.graph) if lo == 0 and hi == len(p.rows) else None
+        if graph is not None:
+            graph.replay(index, first, sampled)
+        else:
+            join_rows(batch, self.cache, self.drafter, index, first, sampled, p.scratch.k[:, lo:hi], p.scratch.v[:, lo:hi],
+                      p.hidden[lo:hi], T)
+        if not self.drafter.graphable:
+            self.drafter.join(batch, index, p.hidden[lo:hi, :T])
         if self.prefill_stream is not None:
             self.joined = torch.cuda.Event()
             self.joined.record()
@@ -636,8 +684,35 @@ class Stepper:
         missing = self.missing_prefills(max_rows)
         for shape in missing:
             self.prefill_graphs.capture(shape)
+            self.capture_join(shape)
             done()
         return len(missing)
+
+    def capture_join(self, key: tuple[int, int]) -> None:
+        """Capture the join of prefill shape `key` (JoinGraph). Its warm-up and capture write into a free
+        slot, left inactive after; with none free (a capture in the middle of serving a full batch) that
+        shape's groups join eagerly."""
+        free = self.batch.free_slots()
+        if not free:
+            return
+        R, S = key
+        prefill, dev = self.prefill_graphs.graphs[key], self.device
+        span = min(S, self.cache.max_len, self.batch.max_len - 1)  # EAGLE reads the tokens after each position
+        index = torch.full((R,), free[0], dtype=torch.long, device=dev)
+        first, sampled = torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
+        args = (self.batch, self.cache, self.drafter, index, first, sampled, prefill.scratch.k, prefill.scratch.v,
+                drafter_features(prefill.out), span)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compile the kernels for this shape)
+            for _ in range(2):
+                join_rows(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.join_pool):
+            join_rows(*args)
+        fill_slot(self.batch.active, free[0], False)
+        self.join_graphs[key] = JoinGraph(graph, index, first, sampled)
 
     def run_phases(self, gamma: int, shape: DraftShape, any_sampled: bool, watch: Stopwatch, observe: bool = False,
                    proposal: Proposal | None = None) -> StepOutput:

@@ -195,6 +195,74 @@ def test_a_graphed_prefill_is_bitwise_the_eager_one(models, monkeypatch):  # noq
             assert torch.equal(a[:, slot, :, : len(prompt)], b[:, slot, :, : len(prompt)])
 
 
+@pytest.mark.parametrize("name", ["none", "medusa", "eagle", "draft_model"])
+def test_a_join_padded_with_its_first_row_leaves_the_state_of_the_unpadded_one(models, name, monkeypatch):  # noqa: F811
+    """A captured join (step.JoinGraph) runs over its prefill shape's R rows: rows past a group's repeat its
+    first row (slot, keys and values, features, first token, draw), so that slot is written more than once,
+    each time with its own bits. Eagerly on the CPU, EAGLE and the draft model fed at the join as on a graphed
+    stepper: the rows' state after a join padded by 3 rows equals the unpadded join's, bit for bit."""
+    import specdec.drafters.draft_model as draft_model
+    import specdec.drafters.eagle as eagle
+    import specdec.step as step
+
+    monkeypatch.setattr(eagle, "catches_up", lambda batch: False)
+    monkeypatch.setattr(draft_model, "catches_up", lambda batch: False)
+    target, _, draft = models
+    drafter = make_drafter(name, target, draft)
+    join_rows = step.join_rows
+
+    def padded(batch, cache, drafter, index, first, sampled, keys, values, hidden, span, pad=3):
+        def more(t, dim=0):
+            return torch.cat([t, t.narrow(dim, 0, 1).repeat_interleave(pad, dim)], dim)
+        join_rows(batch, cache, drafter, more(index), more(first), more(sampled), more(keys, 1), more(values, 1),
+                  more(hidden), span)
+
+    requests = [Request(PROMPTS[0], 8), Request(PROMPTS[2], 8, SamplingParams(temperature=0.8, seed=3))]
+    states = []
+    for join in (join_rows, padded):
+        monkeypatch.setattr(step, "join_rows", join)
+        stepper = new_stepper(target, drafter, 4, 128, list(eos_ids(target)), graphs=False)
+        stepper.prefill([2, 0], requests)
+        batch = stepper.batch
+        states.append((snapshot({n: getattr(batch, n) for n in ("tokens", "length", "limit", "active", "draws")}),
+                       snapshot(stepper.cache), snapshot(batch.draft), [r.generated for r in batch.rows.values()]))
+    assert_same(states[0], states[1])
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs")
+@pytest.mark.parametrize("name", ["none", "ngram", "medusa", "eagle", "draft_model"])
+def test_a_captured_join_is_bitwise_the_eager_one(models, plain, name, monkeypatch):  # noqa: F811
+    """step.JoinGraph: three prompts (one sampled) join through their prefill shape's captured join (4 rows,
+    one padded) into slots 2, 0 and 3, after captures that wrote into free slot 0. The rows' state equals
+    an eager join's (the same prefill graph, captured on first use: no join graph), bit for bit, and the
+    greedy rows then decode as plain decoding does."""
+    import specdec.step as step
+
+    target, _, draft = models
+    drafter = make_drafter(name, target, draft)
+    replays = []
+    replay = step.JoinGraph.replay
+    monkeypatch.setattr(step.JoinGraph, "replay", lambda self, *args: (replays.append(len(args[0])), replay(self, *args)))
+    requests = [Request(PROMPTS[0], MAX_NEW), Request(PROMPTS[2], MAX_NEW, SamplingParams(temperature=0.8, seed=3)),
+                Request(PROMPTS[1], MAX_NEW)]
+    states, outputs = [], []
+    for ahead in (True, False):
+        stepper = new_stepper(target, drafter, 4, 128, list(eos_ids(target)), graphs=True)
+        assert not ahead or (stepper.capture_prefills(4) > 0 and stepper.join_graphs)
+        rows = stepper.prefill([2, 0, 3], requests)
+        batch = stepper.batch
+        states.append((snapshot({n: getattr(batch, n) for n in ("tokens", "length", "limit", "active", "draws")}),
+                       snapshot(stepper.cache), snapshot(batch.draft), [r.generated for r in rows]))
+        batch.gamma.fill_(3)
+        while batch.busy:
+            stepper.launch(3)
+            stepper.read()
+        outputs.append([r.generated for r in rows])
+    assert replays == [3]
+    assert_same(states[0], states[1])
+    assert outputs[0] == outputs[1] and outputs[0][0] == plain[0] and outputs[0][2] == plain[1]
+
+
 @pytest.mark.parametrize("max_new", [0, 1, 5])
 @pytest.mark.parametrize("stop_at_eos", [True, False])
 def test_the_host_knows_a_first_tokens_outcome_as_append_gives_it(max_new, stop_at_eos):

@@ -6,9 +6,9 @@ cache and pending features, an n-gram pool) lives in `batch.draft`, created by `
 per slot, so rows can join (`join`, after the target has prefilled them) and leave between steps.
 
 Static shapes: for a given gamma a proposal always has the same shape (`shape(gamma)`), whatever the
-rows hold, and a `graphable` drafter's `propose` and `commit` are pure device work (no host
-synchronisation, no data-dependent shapes), so the step that calls them can be captured in a CUDA
-graph. Rows that stopped still flow through (masked, never sliced); their state must not change.
+rows hold, and a `graphable` drafter's `propose`, `commit` and `join` are pure device work (no host
+synchronisation, no data-dependent shapes), so the step that calls them, and a prompt's join
+(step.JoinGraph: `join` over a prefill shape's rows), can be captured in CUDA graphs. Rows that stopped still flow through (masked, never sliced); their state must not change.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Verified:
 
 class Drafter(Protocol):
     name: str
-    graphable: bool  # propose and commit are graph-safe
+    graphable: bool  # propose, commit and join are graph-safe
     # Optional: the target layers whose input residual streams the drafter reads as its features,
     # concatenated (EAGLE-3's low, mid and high layers; see target_features). Absent or None: the
     # target's final hidden states.

@@ -100,7 +100,8 @@ class DraftModelDrafter:
             return
         lengths = batch.prompt_length[slots]  # [n]
         T = hidden.shape[1]
-        scratch = self.draft.new_cache(len(slots), T)
+        # its T slots are all written: no overflow check (a host wait, which a captured join cannot make)
+        scratch = self.draft.new_cache(len(slots), T, static=True)
         prompts = batch.tokens[slots, :T]  # [n, T] right-padded (the pad is later output or zeros: never read)
         self.draft(prompts, torch.arange(T, device=prompts.device).expand_as(prompts), scratch, logits_at=lengths - 1)
         batch.draft.k[:, slots, :, :T] = scratch.k
