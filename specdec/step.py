@@ -698,6 +698,7 @@ class Stepper:
         R, S = key
         prefill, dev = self.prefill_graphs.graphs[key], self.device
         span = min(S, self.cache.max_len, self.batch.max_len - 1)  # EAGLE reads the tokens after each position
+        fill_slot(self.batch.prompt_length, free[0], 1)  # a one-token prompt: the reads at its last position stay in bounds
         index = torch.full((R,), free[0], dtype=torch.long, device=dev)
         first, sampled = torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
         args = (self.batch, self.cache, self.drafter, index, first, sampled, prefill.scratch.k, prefill.scratch.v,
