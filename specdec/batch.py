@@ -120,28 +120,30 @@ class RowBatch:
     def free_slots(self) -> list[int]:
         return [b for b in range(self.capacity) if b not in self.rows]
 
-    def occupy(self, slots: list[int], requests: list[Request]) -> list[Row]:
-        """Write the requests' prompts and settings into free slots (the prefill runs next)."""
+    def occupy(self, slots: list[int], requests: list[Request], active: bool = True) -> list[Row]:
+        """Write the requests' prompts and settings into free slots (the prefill runs next; `active`: whether
+        steps take part in them already). Every value travels in two host-to-device copies (a server pays
+        this per prefill group, on the decode thread): the prompts right-padded with 0 to the longest, whose
+        pad positions are scratch until output lands there."""
         rows = []
         for slot, request in zip(slots, requests):
             if slot in self.rows:
                 raise ValueError(f"slot {slot} is taken")
-            n = len(request.prompt)
-            self.tokens[slot, :n].copy_(to_device(request.prompt, self.device))
             rows.append(Row(slot, request, seed_of(request.sampling.seed)))
             self.rows[slot] = rows[-1]
-        index = to_device(slots, self.device)
-        lengths = to_device([len(r.prompt) for r in requests], self.device)
+        W = max(len(r.prompt) for r in requests)
+        packed = to_device([[row.slot, len(r.prompt), len(r.prompt) + r.max_new_tokens, row.seed, int(r.stop_at_eos),
+                             *r.prompt, *[0] * (W - len(r.prompt))] for row, r in zip(rows, requests)], self.device)  # [n, 5 + W]
+        index, lengths = packed[:, 0], packed[:, 1]
+        self.tokens[index, :W] = packed[:, 5:]
         self.length[index] = lengths
         self.prompt_length[index] = lengths
-        self.limit[index] = lengths + to_device([r.max_new_tokens for r in requests], self.device)
-        self.seed[index] = to_device([r.seed for r in rows], self.device)
+        self.limit[index] = packed[:, 2]
+        self.seed[index] = packed[:, 3]
+        self.stop_at_eos[index] = packed[:, 4].bool()
         self.draws.index_fill_(0, index, 0)
-        self.stop_at_eos[index] = to_device([r.stop_at_eos for r in requests], self.device, torch.bool)
-        given = RowSampling.of([r.sampling for r in requests], self.device)
-        for name in ("temperature", "top_k", "top_p", "min_p"):
-            getattr(self.sampling, name)[index] = getattr(given, name)
-        self.active.index_fill_(0, index, True)
+        self.sampling.put(index, [r.sampling for r in requests])
+        self.active.index_fill_(0, index, active)
         return rows
 
     def release(self, slot: int) -> Row:

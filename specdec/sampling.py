@@ -72,6 +72,9 @@ def seed_of(seed: int | None) -> int:
 # ---- Sampling parameters ----------------------------------------------------------------------------
 
 
+TOP_K_CAP = 1 << 24
+
+
 @dataclass
 class RowSampling:
     """Each row's own sampling parameters, as device tensors a captured step reads (update in place).
@@ -95,6 +98,16 @@ class RowSampling:
 
         return cls(column("temperature", torch.float32), column("top_k", torch.long),
                    column("top_p", torch.float32), column("min_p", torch.float32))
+
+    def put(self, index: Tensor, params: Sequence[SamplingParams]) -> None:
+        """Rows index [n] take these parameters, in one host-to-device copy. top_k travels as a float32, exact
+        up to TOP_K_CAP (past any vocabulary: a larger top_k keeps every token, as that one does)."""
+        values = to_device([[s.temperature, min(s.top_k, TOP_K_CAP), s.top_p, s.min_p] for s in params], index.device,
+                           torch.float32)  # [n, 4]
+        self.temperature[index] = values[:, 0]
+        self.top_k[index] = values[:, 1].long()
+        self.top_p[index] = values[:, 2]
+        self.min_p[index] = values[:, 3]
 
     def index(self, rows: Tensor | slice | int | list[int]) -> RowSampling:
         """The parameters of a subset of rows (the promise holds for them too)."""

@@ -494,16 +494,14 @@ class Stepper:
         `prefill_chunk`: the slots are taken, and steps meanwhile leave them alone."""
         if chunk is not None and chunk < len(slots):
             raise ValueError(f"a prefill chunk of {chunk} tokens cannot read a token of each of {len(slots)} rows")
-        batch = self.batch
-        rows = batch.occupy(slots, requests)
-        order = sorted(range(len(rows)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
-        index = to_device([slots[i] for i in order], self.device)  # [n]
-        batch.active.index_fill_(0, index, False)
-        lengths = [len(requests[i].prompt) for i in order]
+        order = sorted(range(len(slots)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
+        slots, requests = [slots[i] for i in order], [requests[i] for i in order]
+        rows = self.batch.occupy(slots, requests, active=False)
+        lengths = [len(r.prompt) for r in requests]
         graph = self.prefill_graph(len(rows), lengths[0], chunk)
         with self.reading_prompts():  # the scratch is written there
             scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
-        return Prefill([rows[i] for i in order], index, lengths, chunk, scratch, graph)
+        return Prefill(rows, to_device(slots, self.device), lengths, chunk, scratch, graph)
 
     @contextlib.contextmanager
     def reading_prompts(self):

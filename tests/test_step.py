@@ -143,6 +143,31 @@ def test_usual_top_k_values_share_one_step_shape():
         batch.release(2)
 
 
+def test_occupy_writes_each_requests_prompt_and_settings_into_its_slot():
+    """Rows joining slots 3 and 1 (in that order, prompts of different lengths) get their own prompt, lengths,
+    limit, seed, stop flag and sampling parameters, each in its slot; slot 0, occupied before, and slot 2,
+    free, keep theirs; the joining rows stay out of steps until their prompts are read (active=False)."""
+    batch = RowBatch(4, 16, [], torch.device("cpu"))
+    batch.occupy([0], [Request([9, 9, 9], 5)])
+    before = {n: getattr(batch, n).clone() for n in ("tokens", "length", "limit", "seed", "active")}
+    a = Request([5, 6, 7, 8], 6, SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, seed=11), stop_at_eos=False)
+    b = Request([4, 3], 2, SamplingParams(temperature=1.5, top_p=0.8, seed=12))
+    batch.draws[3] = 5
+    rows = batch.occupy([3, 1], [a, b], active=False)
+    assert [r.slot for r in rows] == [3, 1] and batch.rows[3].request is a and batch.rows[1].request is b
+    assert batch.tokens[3, :4].tolist() == [5, 6, 7, 8] and batch.tokens[1, :2].tolist() == [4, 3]
+    assert batch.length[[3, 1]].tolist() == [4, 2] and batch.prompt_length[[3, 1]].tolist() == [4, 2]
+    assert batch.limit[[3, 1]].tolist() == [10, 4] and batch.seed[[3, 1]].tolist() == [11, 12]
+    assert batch.stop_at_eos[[3, 1]].tolist() == [False, True] and batch.draws[3] == 0
+    assert not batch.active[[3, 1]].any()
+    for name, want in (("temperature", [0.5, 1.5]), ("top_k", [7, 0]), ("top_p", [0.9, 0.8]), ("min_p", [0.05, 0.0])):
+        assert getattr(batch.sampling, name)[[3, 1]].tolist() == pytest.approx(want), name
+    for name, t in before.items():
+        assert torch.equal(getattr(batch, name)[[0, 2]], t[[0, 2]]), name
+    batch.occupy([2], [Request([1], 1, SamplingParams(temperature=0.7, top_k=10**30))])  # past any vocabulary
+    assert batch.sampling.top_k[2] >= batch.sampling.temperature.new_tensor(2**24) and batch.active[2]
+
+
 def test_prefill_graph_shapes_pad_to_powers_of_two_within_the_budget():
     graphs = PrefillGraphs.__new__(PrefillGraphs)
     graphs.max_tokens, graphs.max_span = 4096, None
