@@ -27,7 +27,7 @@ from torch import Tensor
 
 from specdec.config import SamplingParams
 from specdec.metrics import SpecStats
-from specdec.sampling import RowSampling, seed_of
+from specdec.sampling import TOP_K_CAP, RowSampling, seed_of
 from specdec.transfer import fill_slot, to_device
 
 FINISH_CODES = {0: None, 1: "eos", 2: "length"}  # what the device decides; "stop" is the host's
@@ -219,7 +219,7 @@ def append(batch: RowBatch, emitted: Tensor, count: Tensor) -> tuple[Tensor, Ten
 def top_k_bound(params: list[SamplingParams]) -> int:
     """A bound on these rows' top_k (RowSampling.max_top_k): TOP_K_BOUND or the power of two above, 0 when
     none uses top-k."""
-    top_k = max((p.top_k for p in params), default=0)
+    top_k = min(max((p.top_k for p in params), default=0), TOP_K_CAP)
     return max(TOP_K_BOUND, 1 << (top_k - 1).bit_length()) if top_k else 0
 
 

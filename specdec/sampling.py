@@ -72,7 +72,7 @@ def seed_of(seed: int | None) -> int:
 # ---- Sampling parameters ----------------------------------------------------------------------------
 
 
-TOP_K_CAP = 1 << 24
+TOP_K_CAP = 1 << 24  # past any vocabulary: a larger top_k keeps every token, as this one does
 
 
 @dataclass
@@ -93,15 +93,15 @@ class RowSampling:
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
-        def column(name: str, dtype: torch.dtype) -> Tensor:
-            return to_device([getattr(s, name) for s in params], torch.device(device), dtype)
-
-        return cls(column("temperature", torch.float32), column("top_k", torch.long),
-                   column("top_p", torch.float32), column("min_p", torch.float32))
+        device = torch.device(device)
+        return cls(to_device([s.temperature for s in params], device, torch.float32),
+                   to_device([min(s.top_k, TOP_K_CAP) for s in params], device),
+                   to_device([s.top_p for s in params], device, torch.float32),
+                   to_device([s.min_p for s in params], device, torch.float32))
 
     def put(self, index: Tensor, params: Sequence[SamplingParams]) -> None:
-        """Rows index [n] take these parameters, in one host-to-device copy. top_k travels as a float32, exact
-        up to TOP_K_CAP (past any vocabulary: a larger top_k keeps every token, as that one does)."""
+        """Rows index [n] take these parameters, in one host-to-device copy (top_k as a float32: exact up to
+        TOP_K_CAP)."""
         values = to_device([[s.temperature, min(s.top_k, TOP_K_CAP), s.top_p, s.min_p] for s in params], index.device,
                            torch.float32)  # [n, 4]
         self.temperature[index] = values[:, 0]
@@ -162,8 +162,9 @@ def logits_to_probs(logits: Tensor, s: SamplingParams | RowSampling) -> Tensor:
         def column(value: float, dtype: torch.dtype = torch.float32) -> Tensor:
             return torch.full(probs.shape[:-1] + (1,), value, dtype=dtype, device=probs.device)
 
-        return keep_likely(probs, column(s.top_k, torch.long), column(s.top_p) if s.top_p < 1 else None,
-                           column(s.min_p) if s.min_p > 0 else None, max_top_k=s.top_k)
+        top_k = min(s.top_k, TOP_K_CAP)
+        return keep_likely(probs, column(top_k, torch.long), column(s.top_p) if s.top_p < 1 else None,
+                           column(s.min_p) if s.min_p > 0 else None, max_top_k=top_k)
     return torch.where(s.greedy.view(-1, *[1] * (logits.dim() - 1)), one_hot_argmax(logits), sampled_probs(logits, s))
 
 

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from conftest import DEVICE, seeded_generator
 from specdec.config import SamplingParams
 from specdec.errors import UserError
-from specdec.sampling import RowSampling, keep_likely, logits_to_probs, sample, select_threshold, topk_in_slices, topk_wide, uniforms
+from specdec.sampling import TOP_K_CAP, RowSampling, keep_likely, logits_to_probs, sample, select_threshold, topk_in_slices, topk_wide, uniforms
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a distribution whose kept sets are easy to work out by hand
 ALPHA = 1e-3
@@ -166,6 +166,17 @@ def test_top_k_keeps_the_k_largest(per_row):
 def test_top_k_larger_than_vocab_keeps_everything(per_row):
     logits = log_probs(PROBS)
     assert_probs(to_probs(logits, SamplingParams(temperature=1.0, top_k=100), per_row), PROBS)
+
+
+@per_row
+def test_a_top_k_past_int64_keeps_everything(per_row):
+    """A request may send any top_k >= 0; past TOP_K_CAP the rows carry TOP_K_CAP, which keeps every token
+    as the request's would (a top_k past int64 would not fit the device tensor)."""
+    logits = log_probs(PROBS)
+    assert_probs(to_probs(logits, SamplingParams(temperature=1.0, top_k=10**30), per_row), PROBS)
+    rows = RowSampling.of([SamplingParams(temperature=1.0, top_k=10**30)], DEVICE)
+    rows.put(torch.tensor([0], device=DEVICE), [SamplingParams(temperature=1.0, top_k=2**62)])
+    assert rows.top_k.tolist() == [TOP_K_CAP]
 
 
 @per_row

@@ -175,8 +175,9 @@ def test_a_request_can_opt_out_of_speculation(server):
     assert off["choices"][0]["text"] == on["choices"][0]["text"]  # greedy: the same tokens either way
 
 
-@pytest.mark.parametrize("extra", [{"seed": (1 << 64) - 1}, {"seed": -(1 << 63)}, {"stop": ["a", "b", "c", "d" * 256]}])
-def test_the_bounds_of_seed_and_stop_are_accepted(server, extra):
+@pytest.mark.parametrize("extra", [{"seed": (1 << 64) - 1}, {"seed": -(1 << 63)}, {"stop": ["a", "b", "c", "d" * 256]},
+                                   {"top_k": 10**30}])  # past int64: keeps every token (sampling.TOP_K_CAP)
+def test_the_bounds_of_seed_stop_and_top_k_are_accepted(server, extra):
     url, _ = server
     response = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0.9, **extra})
     assert response.status_code == 200, response.text
