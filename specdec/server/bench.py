@@ -636,9 +636,9 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> t
     levels = []
     with tqdm(total=total, unit="req", desc="bench-serve") as progress:
         for repeat in range(plan.repeats):
-            for policy in plan.policies:
-                switch_policy(url, headers, policy, plan.threshold)
-                for c in plan.concurrency:
+            for c in plan.concurrency:  # the policies compared at c run back to back: what drifts between them is least
+                for policy in plan.policies:
+                    switch_policy(url, headers, policy, plan.threshold)
                     which = f" pass {repeat + 1}/{plan.repeats}" if plan.repeats > 1 else ""
                     progress.set_postfix_str(f"{policy} c={c}{which}")
                     level = asyncio.run(run_level(url, headers, model, prompts, policy, c, plan, progress))
@@ -848,7 +848,7 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
         "first; both over completed requests. All measured on the client, in one run. Memory growth = the "
         "server's last sample of the level - its first (MiB).", "",
         format_table(levels), "",
-        *(["## Medians over passes", "", "Each pass ran every policy and concurrency once, in turn.", "",
+        *(["## Medians over passes", "", "Each pass ran every concurrency once, and at each every policy, back to back.", "",
             format_medians(levels), ""] if max(lv.repeat for lv in levels) else []),
         "## Targets (issue 13), from the levels above (medians over passes)", "", *format_checks(checks), "",
         "## Requests", "", *request_lines(levels),
