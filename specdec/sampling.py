@@ -75,6 +75,12 @@ def seed_of(seed: int | None) -> int:
 TOP_K_CAP = 1 << 24  # past any vocabulary: a larger top_k keeps every token, as this one does
 
 
+def sampling_columns(params: Sequence[SamplingParams], device: torch.device) -> Tensor:
+    """[n, 4] temperature, top_k, top_p and min_p of each row, in one host-to-device copy (top_k as a float32:
+    exact up to TOP_K_CAP)."""
+    return to_device([[s.temperature, min(s.top_k, TOP_K_CAP), s.top_p, s.min_p] for s in params], device, torch.float32)
+
+
 @dataclass
 class RowSampling:
     """Each row's own sampling parameters, as device tensors a captured step reads (update in place).
@@ -93,17 +99,13 @@ class RowSampling:
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowSampling:
-        device = torch.device(device)
-        return cls(to_device([s.temperature for s in params], device, torch.float32),
-                   to_device([min(s.top_k, TOP_K_CAP) for s in params], device),
-                   to_device([s.top_p for s in params], device, torch.float32),
-                   to_device([s.min_p for s in params], device, torch.float32))
+        values = sampling_columns(params, torch.device(device))  # [n, 4]
+        temperature, top_k, top_p, min_p = (values[:, j].clone() for j in range(4))  # each its own tensor, updated in place
+        return cls(temperature, top_k.long(), top_p, min_p)
 
     def put(self, index: Tensor, params: Sequence[SamplingParams]) -> None:
-        """Rows index [n] take these parameters, in one host-to-device copy (top_k as a float32: exact up to
-        TOP_K_CAP)."""
-        values = to_device([[s.temperature, min(s.top_k, TOP_K_CAP), s.top_p, s.min_p] for s in params], index.device,
-                           torch.float32)  # [n, 4]
+        """Rows index [n] take these parameters (in place: a captured step reads these tensors)."""
+        values = sampling_columns(params, index.device)  # [n, 4]
         self.temperature[index] = values[:, 0]
         self.top_k[index] = values[:, 1].long()
         self.top_p[index] = values[:, 2]
