@@ -18,6 +18,7 @@ A fixed gamma is the `fixed` policy.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -190,6 +191,18 @@ def expected_tokens(alphas: list[float], gamma: int) -> float:
         reach *= a
         total += reach
     return total
+
+
+def batch_expected_tokens(alphas: list[list[float]], gamma: int) -> list[float]:
+    """[sum_b E_b(g) for g = 0..gamma]: `expected_tokens` summed over a batch's rows, every gamma from one
+    pass over the rows (a server prices each gamma for every row at every step)."""
+    reach_sums = [0.0] * gamma  # [i]: sum over rows of prod_{j<=i} alpha_bj
+    for row in alphas:
+        reach = 1.0
+        for i, a in enumerate(row[:gamma]):
+            reach *= a
+            reach_sums[i] += reach
+    return list(itertools.accumulate(reach_sums, initial=float(len(alphas))))
 
 
 def best_gamma(alphas: list[float], cost: CostModel) -> int:

@@ -23,7 +23,7 @@ from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
-from specdec.adaptive import STEP_SAMPLES
+from specdec.adaptive import STEP_SAMPLES, batch_expected_tokens, expected_tokens
 from specdec.batch import TOP_K_BOUND
 from specdec.server.policy import EXPLORE_EVERY, SWITCH_MARGIN, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
@@ -789,6 +789,14 @@ def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
     assert first_choice(rows_accepting(1, 1)) == 1  # the second draft is always rejected: draft one
     assert first_choice(rows_accepting(1, 32)) == 0  # compute-bound: a draft token costs a full token
     assert first_choice(rows_accepting(0, 1)) == 0  # nothing is ever accepted: drafting cannot pay
+
+
+def test_a_batch_prices_every_gamma_in_one_pass():
+    """`cost` sums each row's expected tokens at every gamma; rows whose rates stop early add nothing past them."""
+    rows = [[0.9, 0.5, 0.2], [0.3], [], [1.0, 1.0, 1.0, 1.0]]
+    assert batch_expected_tokens(rows, 3) == pytest.approx([4, 4 + 0.9 + 0.3 + 1, 6.2 + 0.45 + 1, 7.65 + 0.09 + 1])
+    assert batch_expected_tokens(rows, 3) == pytest.approx([sum(expected_tokens(r, g) for r in rows) for g in range(4)])
+    assert batch_expected_tokens([], 2) == [0.0, 0.0, 0.0]
 
 
 def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():

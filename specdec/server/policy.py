@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from specdec.adaptive import STEP_SAMPLES, StepSeconds, expected_tokens, forward_sizes
+from specdec.adaptive import STEP_SAMPLES, StepSeconds, batch_expected_tokens, forward_sizes
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
@@ -204,7 +204,8 @@ class SpecPolicy:
             return state.probe_gamma
         prior = self.overall.rates([0.5] * self.gamma, 2.0)
         alphas = [row.rates(prior, self.prior_weight) for row in rows]
-        rate = {g: self.tokens_per_s(alphas, g, B) for g in range(self.gamma + 1)}
+        tokens = batch_expected_tokens(alphas, self.gamma)  # [g]: the batch's expected tokens at gamma g
+        rate = {g: tokens[g] / self.step_seconds(B, g) for g in range(self.gamma + 1)}
         best = max(rate, key=rate.get)
         if best != state.chosen and rate[best] > (1 + SWITCH_MARGIN) * rate[state.chosen]:
             state.chosen, state.same_steps, state.explore_after = best, 1, EXPLORE_EVERY
@@ -249,7 +250,7 @@ class SpecPolicy:
     def tokens_per_s(self, alphas: list[list[float]], g: int, B: int, seconds: Callable[[int, int], float] | None = None) -> float:
         """Expected tokens per second of a step of B slots whose drafting rows have these rates, priced by
         `seconds(B, g)` (default: step_seconds)."""
-        return sum(expected_tokens(a, g) for a in alphas) / (seconds or self.step_seconds)(B, g)
+        return batch_expected_tokens(alphas, g)[g] / (seconds or self.step_seconds)(B, g)
 
     def verify_forward_s(self, B: int, g: int) -> float:
         """T(B, w(g) + 1): the forward measured at start over the tokens a row verifies at gamma g."""
