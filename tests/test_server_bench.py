@@ -143,6 +143,29 @@ def test_repeats_interleave_the_policies(model):
     assert all(not any(lv.cost_moves.values()) for lv in levels if lv.policy == "off")
 
 
+def test_a_policy_switched_back_to_resumes_what_it_learned(model):
+    """bench-serve switches policies between levels; `cost` switched back to keeps its measured steps and
+    acceptance, as a server running it all along would, instead of starting cold at every level."""
+    import httpx
+
+    costs = measure_batch_costs(model, [1], [1, 2, 3, 4], context=16, repeats=1)
+    scheduler = make_scheduler(model, policy="off", costs=costs)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with serving(scheduler, admin=True, costs=costs) as (url, _):
+        def switch(policy: str, threshold: int | None = None):
+            body = {"policy": policy} if threshold is None else {"policy": policy, "threshold": threshold}
+            assert httpx.post(url + "/admin/spec-policy", headers=headers, json=body).status_code == 200
+            return scheduler.policy
+
+        off = scheduler.policy
+        cost = switch("cost")
+        cost.observe_step_time(1, 2, 0.5)
+        assert switch("on") is not cost and switch("off") is off
+        assert switch("cost") is cost and list(cost.steps.seen[1, 2]) == [0.5]
+        assert switch("batch-threshold", 2) is not switch("batch-threshold", 3)  # a threshold is part of the policy
+        assert httpx.post(url + "/admin/spec-policy", headers=headers, json={"policy": "sometimes"}).status_code == 400
+
+
 def test_targets_take_medians_over_interleaved_passes(tmp_path):
     """With --repeats the targets judge each level's median over passes: one pass at 0.90x `off` does not
     decide "cost >= off" when the other two run at 1.05 and 1.10; the report gives the passes' range."""

@@ -193,14 +193,21 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     if settings.admin:
+        # A policy switched back to resumes what it learned (`cost`: step times, acceptance, exploration
+        # waits), as a server running it all along would have; a fresh one would start cold at every switch.
+        policies = {(scheduler.policy.name, scheduler.policy.threshold): scheduler.policy}
+
         @app.post("/admin/spec-policy")
         async def switch_policy(body: PolicyBody):
             old = scheduler.policy
             threshold = old.threshold if body.threshold is None else body.threshold
-            try:
-                scheduler.policy = SpecPolicy(body.policy, old.gamma, threshold, settings.costs, widths=old.widths)
-            except UserError as e:
-                raise ApiError(400, str(e), "policy") from e
+            key = (body.policy, threshold)
+            if key not in policies:
+                try:
+                    policies[key] = SpecPolicy(body.policy, old.gamma, threshold, settings.costs, widths=old.widths)
+                except UserError as e:
+                    raise ApiError(400, str(e), "policy") from e
+            scheduler.policy = policies[key]
             return scheduler.policy.describe()
 
     return app
