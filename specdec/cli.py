@@ -42,7 +42,7 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-head", default=None, help="eagle: a head folder from `specdec train eagle`")
     p.add_argument("--eagle3-head", default=None, help="eagle3: a head folder from `specdec train eagle3`")
     p.add_argument("--medusa-heads", default=None, help="medusa: a heads folder from `specdec train medusa`")
-    p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 10 on the CPU, 24 on a GPU)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 10 on the CPU, 16 on a GPU)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest n-gram matched")
     p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")

@@ -1039,10 +1039,23 @@ def test_serve_cli_errors_are_one_line(capsys, monkeypatch):
     assert "unknown drafter 'eagles'" in capsys.readouterr().err
     assert main(["serve", "--spec-policy", "sometimes"]) == 2
     assert "unknown speculation policy" in capsys.readouterr().err
+    assert main(["serve", "--gamma", "0"]) == 2
+    assert "gamma must be >= 1, got 0" in capsys.readouterr().err
     real = server_cli.importlib.util.find_spec
     monkeypatch.setattr(server_cli.importlib.util, "find_spec", lambda name: None if name == "fastapi" else real(name))
     assert main(["serve"]) == 2
     assert "pip install 'specdec[serve]'" in capsys.readouterr().err
+
+
+def test_serve_drafts_an_eagle_trees_whole_depth_on_a_gpu_by_default():
+    from types import SimpleNamespace
+
+    from specdec.server.cli import DEFAULT_GAMMA, default_gamma
+
+    eagle = SimpleNamespace(tree=SimpleNamespace(depth=5))
+    assert default_gamma("eagle", eagle, torch.device("cuda")) == default_gamma("eagle3", eagle, torch.device("cuda")) == 5
+    assert default_gamma("eagle", eagle, torch.device("cpu")) == DEFAULT_GAMMA == 4  # its CPU chain pays shallow
+    assert default_gamma("ngram", None, torch.device("cuda")) == DEFAULT_GAMMA
 
 
 def test_importing_specdec_does_not_import_the_server_stack():

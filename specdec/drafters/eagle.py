@@ -46,7 +46,11 @@ from specdec.verify import TreeSpec, depth_bound
 # depth 5, x plain: 4 prompts x 128 tokens: 10 nodes 1.45x (tau 3.42), 16 1.47x, 24 1.53x (tau 3.85);
 # 10 prompts x 256: 10 nodes 1.52x (tau 3.46), 24 1.55x (3.85), 32 1.63x (3.92), 48 1.61x (3.94).
 # 24 and 32 are within the runs' noise of each other; the smaller tree costs less under batching.
-GPU_TOTAL_TOKENS = 24
+# Later (H200, torch 2.11, 10 prompts x 128, depth 5, one run): 16 nodes 2.08x (tau 3.72), 24 2.04x (3.86),
+# 32 2.07x (3.91), 48 2.04x (3.93): alike for one row, and a server verifies B x nodes tokens a step.
+# There, 16 nodes at depth 5 served 1.80-1.97x `off` at 16-64 clients; 24 at depth 4 had served 1.52x at 32
+# (another session, so not side by side).
+GPU_TOTAL_TOKENS = 16
 # A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
 # verified node costs about a third of a decode step: a chain (one node expanded per level, its best
 # child) pays there, a tree does not. Native Q4_1 default model, 2-core CPU, 4 gsm8k-eval prompts x 128
