@@ -188,7 +188,7 @@ def test_greedy_speculation_equals_plain_decoding(targets, fmt, gamma, target):
     assert [r.token_ids for r in out.rows] == plain
     assert out.stats.drafted > 0 and out.stats.acceptance_rate > 0.3  # the same model in 4 bits drafts often right
     path = draft_kernel_path(engine.drafter)
-    assert path.name == "cpu-exact" and path.weights == f"{fmt} x 13"  # 3 layers x 4 products, the LM head
+    assert path.name == "cpu-exact" and path.weights == f"{fmt} x 12, int8 x 1"  # 3 layers x 4 products; the LM head at 8 bits
     assert f"({cpu_gemm.build_status()['isa']})" in path.detail and "one C call" in path.detail
 
 
@@ -227,4 +227,4 @@ def test_generate_json_reports_the_draft_kernels(capsys, tmp_path):
     assert code == 0
     report = json.loads(out)
     assert report["lossless"] is True
-    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 9" and report["kernels"]["weights"] == "float32 x 9"
+    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 8, int8 x 1" and report["kernels"]["weights"] == "float32 x 9"
