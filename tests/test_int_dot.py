@@ -188,8 +188,34 @@ def test_greedy_speculation_equals_plain_decoding(targets, fmt, gamma, target):
     assert [r.token_ids for r in out.rows] == plain
     assert out.stats.drafted > 0 and out.stats.acceptance_rate > 0.3  # the same model in 4 bits drafts often right
     path = draft_kernel_path(engine.drafter)
-    assert path.name == "cpu-exact" and path.weights == f"{fmt} x 12, int8 x 1"  # 3 layers x 4 products; the LM head at 8 bits
+    assert path.name == "cpu-exact" and path.weights == f"{fmt} x 13, the head's top 8 rescored in int8"  # 3 layers x 4 products, the LM head
     assert f"({cpu_gemm.build_status()['isa']})" in path.detail and "one C call" in path.detail
+
+
+def test_a_4_bit_heads_best_logits_are_rescored_by_the_targets_rows():
+    """RescoredHead: the R best of the 4-bit head's logits become the int8 rows' products, the others stay.
+    A near-tie the 4-bit head ranks the wrong way round comes out in the target's order."""
+    from specdec.models.linear import Linear
+    from specdec.models.views import RESCORED, RescoredHead
+
+    V, D = 64, 32
+    head = Linear(D, V, bias=False)
+    torch.nn.init.normal_(head.weight, generator=torch.Generator().manual_seed(0))
+    rescored = RescoredHead.of(head)
+    int8_rows = rescored.weight.float() * rescored.scale[:, None]  # [V, D]
+    assert rescored.weight.dtype == torch.int8 and (int8_rows - head.weight).abs().max() <= head.weight.abs().max() / 254
+    h = torch.randn(1, 1, D, generator=torch.Generator().manual_seed(1))  # [B, T, D]
+    scores = (h @ int8_rows.T)[0, 0]  # [V] what the rows say
+    a, b = scores.topk(2).indices.tolist()
+    logits = scores.clone()[None, None] - 0.5 * torch.rand(V, generator=torch.Generator().manual_seed(2))
+    logits[..., b], logits[..., a] = scores[a] + 0.01, scores[a] - 0.01  # the 4-bit head puts b first, just
+    out = rescored.apply(logits, h)
+    assert logits.argmax() == b and out.argmax() == a
+    top = logits.topk(RESCORED, dim=-1).indices[0, 0]
+    assert torch.allclose(out[0, 0, top], scores[top], atol=1e-5)
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[top] = False
+    assert torch.equal(out[0, 0, rest], logits[0, 0, rest])  # the others untouched
 
 
 def test_a_model_without_blocks_of_32_inputs_is_refused(tmp_path):
@@ -227,4 +253,4 @@ def test_generate_json_reports_the_draft_kernels(capsys, tmp_path):
     assert code == 0
     report = json.loads(out)
     assert report["lossless"] is True
-    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 8, int8 x 1" and report["kernels"]["weights"] == "float32 x 9"
+    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 9, the head's top 8 rescored in int8" and report["kernels"]["weights"] == "float32 x 9"

@@ -6,8 +6,8 @@ it is refused.
 The draft's format (DrafterOptions.extra["quant_format"], `--quant-format`): int8 (one scale per output
 channel), GGUF's blocks Q8_0, Q4_1, Q4_0 (one scale per 32 weights), or Q4_1-A8, Q4_0-A8: the same
 4-bit blocks multiplied with int8 activations in integer dot products (int_dot.c; the draft's kernel
-path, `weights` included, is in `generate --json`'s `draft_kernels`). A 4-bit copy keeps its LM head at
-int8 (views.head_format), as int4 checkpoints usually do. The default is the cheaper
+path, `weights` included, is in `generate --json`'s `draft_kernels`). A 4-bit copy's LM head only ranks
+the vocabulary: its best logits are scored again by the target's head rows in int8 (views.RescoredHead). The default is the cheaper
 kind of the target: int8 for a float target, Q4_0 for a Q8_0 GGUF target; a 4-bit target has no
 cheaper copy by default (its own format is already 4-bit), so one must be asked for by name.
 """

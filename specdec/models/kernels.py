@@ -168,7 +168,8 @@ def weight_formats(model: nn.Module) -> str:
 
     formats = Counter(m.qtype or ("int8" if m.scales is not None else str(m.weight.dtype).removeprefix("torch."))
                       for m in model.modules() if isinstance(m, Linear))
-    return ", ".join(f"{name} x {n}" for name, n in formats.most_common())
+    note = getattr(model, "weights_note", "")  # views.QuantizedCopy: its head's best logits rescored
+    return ", ".join([f"{name} x {n}" for name, n in formats.most_common()] + ([note] if note else []))
 
 
 def kernel_path(model: nn.Module) -> KernelPath:
