@@ -419,8 +419,9 @@ def launch_ranks(tp: int, argv: list[str], args: argparse.Namespace) -> int:
     finally:
         ended = [p.poll() for p in ranks]  # before stop_ranks ends the others
         stop_ranks(ranks)
-    for r in range(1, tp):  # a user error (exit 2) every rank meets is said once, by rank 0
-        if ended[r] not in (None, 0) and ended[0] != 2:
+    said = ranks[0].returncode == 2  # rank 0 met a user error (exit 2) and said it; every rank meets those
+    for r in range(1, tp):
+        if ended[r] not in (None, 0) and not said:
             logs[r].seek(0)
             lines = [line for line in logs[r].read().splitlines() if line.strip()]
             print(f"specdec: error: rank {r} of {tp} failed: {lines[-1] if lines else f'exit code {ended[r]}'}",
@@ -434,8 +435,12 @@ def exit_code(process) -> int:
     return 128 - process.returncode if process.returncode < 0 else process.returncode
 
 
+RANK0_GRACE_S = 3  # how long rank 0 may take to end after another rank failed
+USER_ERROR_GRACE_S = 30  # ... after another rank met a user error (exit 2), which rank 0 meets too, maybe later (load)
+
+
 def wait_ranks(ranks: list) -> None:
-    """Wait until every rank succeeded or one failed (then a moment longer for rank 0, which usually meets
+    """Wait until every rank succeeded or one failed (then a while longer for rank 0, which usually meets
     the same error and says it itself)."""
     import subprocess
     import time
@@ -446,7 +451,7 @@ def wait_ranks(ranks: list) -> None:
             return
         if any(c not in (None, 0) for c in codes):
             try:
-                ranks[0].wait(timeout=3)
+                ranks[0].wait(timeout=USER_ERROR_GRACE_S if 2 in codes else RANK0_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
             return
