@@ -52,7 +52,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -624,8 +624,10 @@ def switch_policy(url: str, headers: dict, policy: str, threshold: int) -> None:
         raise UserError(f"switching to policy {policy!r} failed: HTTP {response.status_code}: {response.text[:200]}")
 
 
-def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> tuple[dict, list[LevelResult]]:
-    """Every policy x concurrency level against the server at url; (server /health, levels)."""
+def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan,
+             after_pass: Callable[[dict, list[LevelResult]], None] | None = None) -> tuple[dict, list[LevelResult]]:
+    """Every policy x concurrency level against the server at url; (server /health, levels). `after_pass`
+    gets (health, the levels so far) after each pass but the last (bench-serve writes its report there)."""
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -643,6 +645,8 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan) -> t
                     progress.set_postfix_str(f"{policy} c={c}{which}")
                     level = asyncio.run(run_level(url, headers, model, prompts, policy, c, plan, progress))
                     levels.append(replace(level, repeat=repeat))
+            if after_pass is not None and repeat < plan.repeats - 1:
+                after_pass(health, levels)
     return health, levels
 
 

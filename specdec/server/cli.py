@@ -89,7 +89,8 @@ def add_server_commands(sub) -> None:
     b.add_argument("--prefill-chunk", type=int, default=None,
                    help="server: most prompt tokens read between two decode steps (default: the server's)")
     b.add_argument("--repeats", type=int, default=1,
-                   help="passes over every policy and concurrency, interleaved; targets use the medians (default 1)")
+                   help="passes over every policy and concurrency, interleaved; targets use the medians; the report is "
+                        "written after each pass (default 1)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--client-processes", type=int, default=None,
                    help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
@@ -251,8 +252,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                     client_processes=args.client_processes, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    def config_of(health: dict) -> dict:
+        return {"model": health.get("model"), "url": args.url, "drafter": health.get("drafter"),
+                "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
+                "max_tokens": args.max_tokens, "sampling": [asdict(s) for s in sampling],
+                "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
+                "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency],
+                "repeats": args.repeats}
+
+    def save_pass(health: dict, levels: list) -> None:  # a run stopped later keeps the passes it finished
+        write_report(out, config_of(health), hardware(health), levels)
+
     if args.url:
-        health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan)
+        health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan, after_pass=save_pass)
     else:
         server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels, "--gguf", args.gguf,
                        *drafter_argv(args), *(["--gamma", str(args.gamma)] if args.gamma is not None else []), "--spec-policy", args.policies[0],
@@ -265,14 +278,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             server_args += ["--prefill-chunk", str(args.prefill_chunk)]
         print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
         with local_server(server_args, out / "server.log", args.startup_timeout) as (url, key):
-            health, levels = run_load(url, key, prompts, plan)
-    config = {"model": health.get("model"), "url": args.url, "drafter": health.get("drafter"),
-              "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "sampling": [asdict(s) for s in sampling],
-              "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
-              "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency],
-              "repeats": args.repeats}
-    files = write_report(out, config, hardware(health), levels)
+            health, levels = run_load(url, key, prompts, plan, after_pass=save_pass)
+    files = write_report(out, config_of(health), hardware(health), levels)
     lost = sum(lv.lost for lv in levels)
     if args.json:
         print(files[0].read_text())
