@@ -291,6 +291,11 @@ def run_layers_cpu(
     return out
 
 
+def positions_at(hidden: Tensor, logits_at: Tensor | None) -> Tensor:
+    """hidden [B, T, D] at one position per row, logits_at [B] ([B, 1, D]); all of it where None."""
+    return hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+
+
 def norm_and_logits(norm: nn.Module, lm_head: nn.Module, x: Tensor, logits_at: Tensor | None) -> tuple[Tensor, Tensor] | None:
     """(hidden [B, T, D], float32 logits [B, T, V], or [B, 1, V] at logits_at [B]) of x [B, T, D], as
     LlamaModel.forward computes them, or None where the C code does not cover them (an unpacked lm_head:
@@ -305,7 +310,7 @@ def norm_and_logits(norm: nn.Module, lm_head: nn.Module, x: Tensor, logits_at: T
     hidden = torch.empty_like(x)  # [B, T, D]
     cpu_gemm.library().specdec_rms_norm(x.data_ptr(), hidden.data_ptr(), x.shape[:-1].numel(), x.shape[-1],
                                         norm.weight.data_ptr(), norm.eps, x.dtype == torch.bfloat16)
-    h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+    h = positions_at(hidden, logits_at)
     logits = cpu_gemm.gemm(h, lm_head.packed, lm_head.packed_bias, lm_head.out_features, lm_head.scales, out_dtype=torch.float32,
                            qtype=lm_head.qtype)
     if getattr(lm_head, "split", None) is not None:  # a tensor-parallel vocabulary shard

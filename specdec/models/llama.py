@@ -357,7 +357,7 @@ class LlamaModel(nn.Module):
         if head is not None:
             return ModelOutput(logits=head[1], hidden=head[0], aux=aux)
         hidden = kernels.norm_exact(self.norm, x) if exact else self.norm(x)  # [B, T, D]
-        h = hidden if logits_at is None else hidden.gather(1, logits_at[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        h = cpu_layer.positions_at(hidden, logits_at)
         return ModelOutput(logits=kernels.logits_exact(self.lm_head, h) if exact else self.lm_head(h).float(), hidden=hidden,
                            aux=aux)
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec.errors import UserError
-from specdec.models import cpu_gemm, cpu_quant
+from specdec.models import cpu_gemm, cpu_layer, cpu_quant
 from specdec.models.linear import Linear, float_weight, quantize_blocks, quantize_int8
 from specdec.models.llama import DecoderLayer, LlamaModel, ModelOutput
 
@@ -122,8 +122,7 @@ class QuantizedCopy(LlamaModel):
         out = super().forward(tokens, positions, cache, mask, logits_at, aux_layers)
         if self.rescored is None:
             return out
-        h = out.hidden if logits_at is None else out.hidden.gather(1, logits_at[:, None, None].expand(-1, 1, out.hidden.shape[-1]))
-        return replace(out, logits=self.rescored.apply(out.logits, h))
+        return replace(out, logits=self.rescored.apply(out.logits, cpu_layer.positions_at(out.hidden, logits_at)))
 
 
 def quantized_copy(target: LlamaModel, fmt: str = "int8") -> LlamaModel:
