@@ -192,3 +192,41 @@ def test_serve_refuses_a_prefill_chunk_below_one(capsys):
 
     assert main(["serve", "--prefill-chunk", "0"]) == 2
     assert "--prefill-chunk must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_request_arriving_during_a_step_is_read_beside_it(model, monkeypatch):  # noqa: F811
+    """CUDA: with two rows running, a request arriving while the decode thread waits for a step has its
+    prompt read then (Scheduler.admit_during), not after the step; every text is still plain greedy's."""
+    scheduler = Scheduler(model, build_drafter("ngram", model), Codec(model.tokenizer), SpecPolicy("on", gamma=3),
+                          SchedulerConfig(max_batch=4, context=256))
+    if scheduler.full.prefill_stream is None:
+        pytest.skip("prompts have a stream of their own only on CUDA")
+    import torch
+
+    prompts = [(SHORT, 40), (LONG, 40), ("the mat , the cat", 12)]
+    texts = {i: [] for i in range(len(prompts))}
+
+    def request(i: int) -> GenerationRequest:
+        text, max_tokens = prompts[i]
+        return GenerationRequest(model.tokenizer(text)["input_ids"], max_tokens, SamplingParams(), (),
+                                 lambda event: texts[i].append(event.text))
+
+    for i in (0, 1):
+        scheduler.submit(request(i))
+    while len(scheduler.running) < 2:
+        scheduler.turn()
+    launch, third = scheduler.ops.launch, []
+
+    def late_launch(n, gamma, quiet):  # the step queues behind ~50 ms of device time; a request arrives meanwhile
+        torch.cuda._sleep(100_000_000)
+        launch(n, gamma, quiet)
+        if not third:
+            third.append(request(2))
+            scheduler.submit(third[0])
+
+    monkeypatch.setattr(scheduler.ops, "launch", late_launch)
+    while scheduler.num_running or scheduler.waiting:
+        scheduler.turn()
+    scheduler.stop()
+    assert scheduler.metrics.prefills_during_step >= 1
+    assert ["".join(texts[i]) for i in texts] == [reference_text(model, text, n) for text, n in prompts]

@@ -73,6 +73,7 @@ class ServerMetrics:
         self.steps_by_gamma: dict[int, int] = {}  # gamma asked -> steps
         self.cost_moves = {"switch": 0, "probe": 0}  # `cost`: choices changed, explorations started
         self.prefill_forwards = {"graph": 0, "eager": 0}  # prefill chunks read by a captured graph, or eagerly
+        self.prefills_during_step = 0  # of them, read while the decode thread waited for a step (Scheduler.admit_during)
         self.decode_s = {part: 0.0 for part in DECODE_PARTS}  # the decode thread's seconds, by what it did
         self.idle_since: float | None = None  # when the decode thread began waiting for work, while it does
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -96,9 +97,10 @@ class ServerMetrics:
         with self.lock:
             self.queue_time.observe(seconds)
 
-    def count_prefill(self, graphed: bool) -> None:
+    def count_prefill(self, graphed: bool, during_step: bool = False) -> None:
         with self.lock:
             self.prefill_forwards["graph" if graphed else "eager"] += 1
+            self.prefills_during_step += during_step
 
     def add_decode_time(self, part: str, seconds: float) -> None:
         """Seconds of the decode thread's time spent on `part` (DECODE_PARTS)."""
@@ -204,6 +206,8 @@ class ServerMetrics:
                 "# HELP specdec_prefill_forwards_total Prefill chunks read, by a captured graph or eagerly.",
                 "# TYPE specdec_prefill_forwards_total counter",
                 *(f'specdec_prefill_forwards_total{{kind="{k}"}} {n}' for k, n in self.prefill_forwards.items()),
+                *counter("specdec_prefill_during_step_total", "Prefill chunks read while a step ran (requests admitted "
+                         "without waiting for the step).", self.prefills_during_step),
                 "# HELP specdec_decode_thread_seconds_total The decode thread's time: idle (no request), prefill "
                 "(admitting requests, reading their prompts, first tokens handed out), wait (for a step's outcome), "
                 "host (launching steps, handing their tokens out).",
