@@ -32,7 +32,7 @@ def test_bench_serve_measures_every_level(model, tmp_path):
     scheduler = make_scheduler(model, policy="off", costs=costs)
     plan = LoadPlan(concurrency=(1, 2), policies=("off", "on", "cost"), requests=3, max_tokens=8,
                     sampling=fixed_sampling(0.0), threshold=2)
-    with serving(scheduler, admin=True, costs=costs) as (url, _):
+    with serving(scheduler, admin=True) as (url, _):
         health, levels = run_load(url, KEY, PROMPTS, plan)
     assert [(lv.policy, lv.concurrency) for lv in levels] == [(p, c) for c in (1, 2) for p in plan.policies]  # concurrency-major
     assert all(lv.ok == lv.requests == 3 and lv.completion_tokens == 24 and lv.tokens_per_s > 0 for lv in levels)
@@ -136,7 +136,7 @@ def test_repeats_interleave_the_policies(model):
     plan = LoadPlan(concurrency=(1,), policies=("off", "cost"), requests=2, max_tokens=4,
                     sampling=fixed_sampling(0.0), threshold=2, repeats=2)
     saved = []
-    with serving(make_scheduler(model, policy="off", costs=costs), admin=True, costs=costs) as (url, _):
+    with serving(make_scheduler(model, policy="off", costs=costs), admin=True) as (url, _):
         _, levels = run_load(url, KEY, PROMPTS, plan, after_pass=lambda health, done: saved.append(len(done)))
     assert [(lv.repeat, lv.policy) for lv in levels] == [(0, "off"), (0, "cost"), (1, "off"), (1, "cost")]
     assert saved == [2]  # after the first pass (the caller writes the last)
@@ -153,7 +153,7 @@ def test_a_policy_switched_back_to_resumes_what_it_learned(model):
     costs = measure_batch_costs(model, [1], [1, 2, 3, 4], context=16, repeats=1)
     scheduler = make_scheduler(model, policy="off", costs=costs)
     headers = {"Authorization": f"Bearer {KEY}"}
-    with serving(scheduler, admin=True, costs=costs) as (url, _):
+    with serving(scheduler, admin=True) as (url, _):
         def switch(policy: str, threshold: int | None = None):
             body = {"policy": policy} if threshold is None else {"policy": policy, "threshold": threshold}
             assert httpx.post(url + "/admin/spec-policy", headers=headers, json=body).status_code == 200

@@ -37,7 +37,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdec.config import SamplingParams
 from specdec.errors import UserError
-from specdec.server.policy import BatchCosts, SpecPolicy
 from specdec.server.scheduler import DeviceLost, Event, GenerationRequest, QueueFull, Scheduler, ShuttingDown
 
 OPEN_PATHS = ("/health",)
@@ -55,7 +54,6 @@ class AppSettings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256  # when a request gives none (capped by the context left)
     admin: bool = False
-    costs: BatchCosts | None = None  # measured forward times, for switching to the `cost` policy
     drain_s: float = 0.0  # at shutdown, after uvicorn's own wait: seconds left for in-flight requests
 
 
@@ -179,38 +177,31 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        status = "error" if scheduler.lost else "draining" if scheduler.draining else "ok"
-        body = {"status": status, "model": settings.model_name, "device": settings.device,
-                "drafter": scheduler.drafter.name, "gamma": scheduler.policy.gamma,
-                "policy": scheduler.policy.name, "running": scheduler.num_running, "waiting": scheduler.num_waiting,
-                **({"error": scheduler.lost} if scheduler.lost else {})}
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        state = await answer(scheduler.health())
+        body = {"status": state["status"], "model": settings.model_name, "device": settings.device,
+                **{k: v for k, v in state.items() if k != "status"}}
+        return JSONResponse(body, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
-        text = scheduler.metrics.render(scheduler.num_running, scheduler.num_waiting, scheduler.policy.name,
-                                        settings.model_name)
+        text = await answer(scheduler.metrics_text(settings.model_name))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     if settings.admin:
-        # A policy switched back to resumes what it learned (`cost`: step times, acceptance, exploration
-        # waits), as a server running it all along would have; a fresh one would start cold at every switch.
-        policies = {(scheduler.policy.name, scheduler.policy.threshold): scheduler.policy}
-
         @app.post("/admin/spec-policy")
         async def switch_policy(body: PolicyBody):
-            old = scheduler.policy
-            threshold = old.threshold if body.threshold is None else body.threshold
-            key = (body.policy, threshold)
-            if key not in policies:
-                try:
-                    policies[key] = SpecPolicy(body.policy, old.gamma, threshold, settings.costs, widths=old.widths)
-                except UserError as e:
-                    raise ApiError(400, str(e), "policy") from e
-            scheduler.policy = policies[key]
-            return scheduler.policy.describe()
+            try:
+                return await answer(scheduler.switch_policy(body.policy, body.threshold))
+            except UserError as e:
+                raise ApiError(400, str(e), "policy") from e
 
     return app
+
+
+async def answer(value):
+    """A scheduler call's value: a Scheduler in this process answers at once; one in another process
+    (frontend.RemoteScheduler) answers with a future, settled (or raising the call's error) by its reply."""
+    return await value if isinstance(value, asyncio.Future) else value
 
 
 def validation_response(errors: list[dict]) -> JSONResponse:
@@ -238,7 +229,7 @@ def message_text(message: ChatMessage) -> str:
 
 def completion_prompt_ids(scheduler: Scheduler, prompt: str | list[str] | list[int]) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-        vocab = scheduler.target.config.vocab_size
+        vocab = scheduler.vocab_size
         if not all(0 <= x < vocab for x in prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
@@ -289,7 +280,7 @@ async def generate(scheduler: Scheduler, settings: AppSettings, request: Request
     job = GenerationRequest(ids, max_tokens, sampling, stop, emit=partial(outbox.put, events), wake=outbox.wake,
                             speculate=body.speculate)
     try:
-        scheduler.submit(job)
+        await answer(scheduler.submit(job))
     except QueueFull as e:
         raise ApiError(429, str(e), code="queue_full") from e
     except ShuttingDown as e:

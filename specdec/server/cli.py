@@ -63,6 +63,9 @@ def add_server_commands(sub) -> None:
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish on shutdown")
+    s.add_argument("--frontend", default="auto", choices=("auto", "process", "thread"),
+                   help="where HTTP is served: a process of its own (the default on CUDA: it leaves the decode loop the "
+                        "GIL) or a thread of the engine's process (the default on the CPU)")
     s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="log level of uvicorn and of specdec's server notes (graph captures, errors)")
@@ -143,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdec.models import load_model
     from specdec.models.llama import LlamaModel
     from specdec.server.app import AppSettings, create_app
+    from specdec.server.frontend import ServerOptions, serve_with_frontend
     from specdec.adaptive import verify_widths
     from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
     from specdec.models.tensor_parallel import join_group
@@ -178,9 +182,10 @@ def run_serve(args: argparse.Namespace) -> int:
     device = describe_device(target)
     settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                           admin=args.enable_admin, costs=costs)
+                           admin=args.enable_admin)
+    frontend = args.frontend if args.frontend != "auto" else "process" if target.norm.weight.device.type == "cuda" else "thread"
     print(f"specdec: serving {settings.model_name} on http://{args.host}:{args.port}/v1 ({device}; drafter {args.drafter}, "
-          f"gamma {gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}"
+          f"gamma {gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}, frontend {frontend}"
           f"{f', tensor-parallel over {shard.world} ranks' if shard.parallel else ''}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
     say = logging.StreamHandler(sys.stderr)
@@ -192,9 +197,12 @@ def run_serve(args: argparse.Namespace) -> int:
     # default model) a 0.5 ms interval gave 9.7-10.4k tok/s and a TTFT p50 of 24-26 ms, against 8.0-8.7k
     # and 32-33 ms at 5 ms (two runs each, one machine).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=args.host, port=args.port,
-                                           log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    options = ServerOptions(args.host, args.port, args.log_level, args.shutdown_timeout)
+    if frontend == "process":
+        return serve_with_frontend(scheduler, target.tokenizer, settings, options)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=options.host, port=options.port,
+                                           log_level=options.log_level, access_log=False,
+                                           timeout_graceful_shutdown=options.shutdown_timeout))
     server.run()  # its shutdown stops the scheduler, which releases the followers
     return 0
 

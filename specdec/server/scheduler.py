@@ -362,6 +362,7 @@ class Scheduler:
                  metrics: ServerMetrics | None = None, ops: Callable[..., BatchOps] = BatchOps) -> None:
         """ops: what builds the BatchOps (mirror.MirroredOps under tensor parallelism)."""
         self.target, self.drafter, self.codec, self.policy, self.config = target, drafter, codec, policy, config
+        self.policies = {(policy.name, policy.threshold): policy}  # every policy switched to (switch_policy)
         self.metrics = metrics or ServerMetrics()
         # the widest draft block beyond the context fits every row
         width = drafter.shape(policy.gamma).width
@@ -392,6 +393,32 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    def health(self) -> dict:
+        """The server's state for /health: status "ok", "draining" or "error" (with the reason), the drafter,
+        the policy and its gamma, and how many requests run and wait."""
+        status = "error" if self.lost else "draining" if self.draining else "ok"
+        return {"status": status, "drafter": self.drafter.name, "gamma": self.policy.gamma, "policy": self.policy.name,
+                "running": self.num_running, "waiting": self.num_waiting, **({"error": self.lost} if self.lost else {})}
+
+    def metrics_text(self, model_name: str) -> str:
+        """/metrics: Prometheus text."""
+        return self.metrics.render(self.num_running, self.num_waiting, self.policy.name, model_name)
+
+    def switch_policy(self, name: str, threshold: int | None = None) -> dict:
+        """Switch the speculation policy (raises UserError for a bad one); its description. A policy switched
+        back to resumes what it learned (`cost`: step times, acceptance, exploration waits), as a server
+        running it all along would have; a fresh one would start cold at every switch."""
+        old = self.policy
+        key = (name, old.threshold if threshold is None else threshold)
+        if key not in self.policies:
+            self.policies[key] = SpecPolicy(name, old.gamma, key[1], old.costs, widths=old.widths)
+        self.policy = self.policies[key]
+        return self.policy.describe()
 
     def start(self) -> None:
         if self.thread is None:

@@ -1,0 +1,347 @@
+"""The HTTP frontend in a process of its own (`serve --frontend process`, the default on CUDA).
+
+Why: in one process the decode thread and the event loop share the GIL. At 32 clients on an H200 the
+event loop writes thousands of stream chunks a second, and each of the decode thread's steps (host work:
+launching, reading outcomes, detokenizing, admitting requests) waits its turn for the GIL behind it. A
+request's time to first token then grew from 5.3 ms at one client to 12-13 ms at 32 (EAGLE, p50), of
+which 3.6 ms was spent between its arrival and its admission, with admission possible during every step
+(Scheduler.admit_during). vLLM's API server is a process apart from its engine for the same reason.
+
+Layout. The engine process (the one `serve` started: model, Scheduler, decode thread) spawns the
+frontend process (uvicorn, the app of app.py, a copy of the tokenizer to encode prompts) and talks to it
+over one pipe:
+- frontend -> engine: ("submit", id, Job), ("cancel", id), ("call", id, method, args);
+- engine -> frontend: ("events", [(id, Event), ...]) once per hand-over (the decode thread's events of a
+  step or a prefill chunk, for every request: Scheduler.hand_over wakes the bridge once), and
+  ("reply", id, value), an exception for a call that raised (QueueFull, ShuttingDown, UserError).
+The frontend's RemoteScheduler stands in for the Scheduler in create_app; the engine's EngineBridge runs
+the calls on the real one. Detokenizing and stop strings stay in the engine, with the decode thread.
+
+Lifetime. The frontend runs in a process group of its own, so a terminal's Ctrl-C reaches the engine
+only, which asks the frontend to shut down (SIGTERM: uvicorn's graceful shutdown, then the scheduler's
+drain, through a `stop` call) and exits with it. If the engine dies, the frontend sees the pipe close,
+fails what it holds and exits; if the frontend dies, the engine stops the scheduler and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from functools import partial
+
+from specdec.config import SamplingParams
+from specdec.server.app import AppSettings, create_app
+from specdec.server.metrics import gauge, resident_memory_bytes
+from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler, SchedulerConfig, ShuttingDown)
+
+log = logging.getLogger("specdec.server")
+CALLS = ("health", "metrics_text", "switch_policy", "stop")  # the Scheduler methods the frontend may call
+ENGINE_GONE = "the engine process has ended; the server must be restarted"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A GenerationRequest as it crosses the pipe (without its callbacks)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    speculate: bool
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str
+    port: int
+    log_level: str = "info"
+    shutdown_timeout: float = 30.0
+
+
+# ---- the engine process -------------------------------------------------------------------------
+
+
+class EngineBridge:
+    """Engine process: runs the frontend's submits, cancels and calls on the Scheduler, and sends the
+    requests' events back, one message per hand-over."""
+
+    def __init__(self, scheduler: Scheduler, conn) -> None:
+        self.scheduler, self.conn = scheduler, conn
+        self.sending = threading.Lock()
+        self.lock = threading.Lock()  # pending and requests: the decode thread and the bridge thread
+        self.pending: list[tuple[int, Event]] = []
+        self.requests: dict[int, GenerationRequest] = {}
+        self.stopped = False  # the frontend's `stop` call has run
+
+    def serve(self) -> None:
+        """Answer the frontend until it closes the pipe."""
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            kind, key, *rest = message
+            if kind == "submit":
+                self.submit(key, *rest)
+            elif kind == "cancel":
+                with self.lock:
+                    request = self.requests.get(key)
+                if request is not None:
+                    self.scheduler.cancel(request)
+            elif kind == "call" and rest[0] == "stop":  # waits for the drain: meanwhile cancels go on
+                threading.Thread(target=self.call, args=(key, *rest), name="specdec-stop").start()
+            elif kind == "call":
+                self.call(key, *rest)
+
+    def submit(self, key: int, job: Job) -> None:
+        request = GenerationRequest(job.prompt_ids, job.max_tokens, job.sampling, job.stop, emit=partial(self.put, key),
+                                    wake=self.flush, speculate=job.speculate)
+        with self.lock:
+            self.requests[key] = request
+        try:
+            self.scheduler.submit(request)
+        except Exception as e:  # QueueFull, ShuttingDown: the frontend answers 429 / 503
+            with self.lock:
+                self.requests.pop(key, None)
+            self.send(("reply", key, e))
+            return
+        self.send(("reply", key, None))
+
+    def call(self, key: int, method: str, args: tuple) -> None:
+        if method not in CALLS:
+            self.send(("reply", key, ValueError(f"unknown call {method!r}")))
+            return
+        try:
+            value = getattr(self.scheduler, method)(*args)
+        except Exception as e:
+            value = e
+        if method == "stop":
+            self.stopped = True
+        self.send(("reply", key, value))
+
+    def put(self, key: int, event: Event) -> None:
+        """Decode thread: queue a request's event (Scheduler.hand_over)."""
+        with self.lock:
+            self.pending.append((key, event))
+            if event.final:
+                self.requests.pop(key, None)
+
+    def flush(self) -> None:
+        """Decode thread: send the events queued since the last flush, in one message."""
+        with self.lock:
+            events, self.pending = self.pending, []
+        if events:
+            self.send(("events", events))
+
+    def send(self, message: tuple) -> None:
+        with self.sending:
+            try:
+                self.conn.send(message)
+            except OSError:  # the frontend is gone: the engine process is ending
+                log.debug("could not reach the frontend", exc_info=True)
+
+
+class FrontendProcess:
+    """Engine process: the frontend process and the bridge thread that serves it."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> None:
+        self.scheduler = scheduler
+        context = mp.get_context("spawn")  # never fork a process that holds CUDA
+        self.conn, theirs = context.Pipe()
+        self.bridge = EngineBridge(scheduler, self.conn)
+        self.process = context.Process(target=run_frontend, name="specdec-frontend", daemon=True,
+                                       args=(theirs, tokenizer, settings, scheduler.config, scheduler.vocab_size, options))
+        self.theirs = theirs
+
+    def start(self) -> None:
+        """Start the decode thread (capturing its graphs first), then the frontend and the bridge."""
+        self.scheduler.start()
+        self.process.start()
+        self.theirs.close()
+        threading.Thread(target=self.bridge.serve, name="specdec-bridge", daemon=True).start()
+
+    def terminate(self) -> None:
+        """Ask the frontend to shut down gracefully (it stops the scheduler through the bridge)."""
+        if self.process.pid is not None and self.process.exitcode is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+
+    def wait(self) -> int:
+        """Until the frontend has exited; stops the scheduler if the frontend did not. The server's exit
+        code: 0 after an ordered shutdown (uvicorn re-raises the signal it shut down on, so the frontend's
+        own code is the signal's), else 1."""
+        self.process.join()
+        self.conn.close()
+        if self.bridge.stopped:
+            return 0
+        log.error(f"the frontend process ended unexpectedly (exit code {self.process.exitcode}); stopping")
+        self.scheduler.stop()
+        return 1
+
+
+def serve_with_frontend(scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> int:
+    """`specdec serve --frontend process`: serve until a signal, then shut down in order; the exit code."""
+    frontend = FrontendProcess(scheduler, tokenizer, settings, options)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: frontend.terminate())
+    frontend.start()
+    return frontend.wait()
+
+
+# ---- the frontend process -----------------------------------------------------------------------
+
+
+class RemoteScheduler:
+    """Frontend process: what create_app uses of a Scheduler, answered by the engine process. Calls that
+    need the engine's answer return futures (app.answer awaits them)."""
+
+    def __init__(self, conn, codec: Codec, config: SchedulerConfig, vocab_size: int) -> None:
+        self.conn, self.codec, self.config, self.vocab_size = conn, codec, config, vocab_size
+        self.keys = itertools.count()
+        self.jobs: dict[int, GenerationRequest] = {}  # key -> request, until its last event
+        self.key_of: dict[int, int] = {}  # id(request) -> key
+        self.replies: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.lost: str | None = None
+        self.on_lost = lambda: None  # the frontend process's shutdown (run_frontend)
+
+    def start(self) -> None:
+        """On the event loop (the app's lifespan): read the engine's messages as they come."""
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.conn.fileno(), self.receive)
+
+    def stop(self, drain_s: float = 0.0) -> None:
+        """From a worker thread (the app's lifespan): the engine drains and stops its scheduler."""
+        if self.lost is None:
+            asyncio.run_coroutine_threadsafe(self.ask("stop", drain_s), self.loop).result()
+
+    async def ask(self, method: str, *args):
+        return await self.call(method, *args)
+
+    def submit(self, request: GenerationRequest) -> asyncio.Future:
+        key = next(self.keys)
+        self.jobs[key], self.key_of[id(request)] = request, key
+        job = Job(request.prompt_ids, request.max_tokens, request.sampling, request.stop, request.speculate)
+        return self.send(("submit", key, job), key)
+
+    def cancel(self, request: GenerationRequest) -> None:
+        key = self.key_of.get(id(request))
+        if key is not None and self.lost is None:
+            request.cancelled = True
+            self.conn.send(("cancel", key))
+
+    def health(self) -> asyncio.Future:
+        if self.lost is not None:
+            return self.settled({"status": "error", "error": self.lost})
+        return self.call("health")
+
+    def metrics_text(self, model_name: str) -> asyncio.Future:
+        """The engine's metrics and this process's resident memory."""
+        async def both() -> str:
+            text = await self.call("metrics_text", model_name)
+            rss = resident_memory_bytes()
+            mine = gauge("specdec_frontend_resident_memory_bytes", "The HTTP frontend process's resident memory.", rss)
+            return text + ("\n".join(mine) + "\n" if rss is not None else "")
+        return asyncio.ensure_future(both())
+
+    def switch_policy(self, name: str, threshold: int | None = None) -> asyncio.Future:
+        return self.call("switch_policy", name, threshold)
+
+    def call(self, method: str, *args) -> asyncio.Future:
+        key = next(self.keys)
+        return self.send(("call", key, method, args), key)
+
+    def send(self, message: tuple, key: int) -> asyncio.Future:
+        future = self.loop.create_future()
+        if self.lost is not None:
+            future.set_exception(ShuttingDown(self.lost))
+            return future
+        self.replies[key] = future
+        self.conn.send(message)
+        return future
+
+    def settled(self, value) -> asyncio.Future:
+        future = self.loop.create_future()
+        future.set_result(value)
+        return future
+
+    def receive(self) -> None:
+        """Event loop: hand out every message waiting on the pipe."""
+        try:
+            while self.conn.poll():
+                kind, body, *rest = self.conn.recv()
+                if kind == "events":
+                    self.deliver(body)
+                else:
+                    self.settle(body, rest[0])
+        except (EOFError, OSError):
+            self.engine_gone()
+
+    def deliver(self, events: list[tuple[int, Event]]) -> None:
+        wakes: dict = {}
+        for key, event in events:
+            request = self.jobs.get(key)
+            if request is None:
+                continue
+            request.emit(event)
+            if request.wake is not None:
+                wakes[request.wake] = None
+            if event.final:
+                request.done = True
+                del self.jobs[key]
+                self.key_of.pop(id(request), None)
+        for wake in wakes:
+            wake()
+
+    def settle(self, key: int, value) -> None:
+        future = self.replies.pop(key, None)
+        if future is None or future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+            if key in self.jobs:  # a refused submit: its request never ran
+                self.key_of.pop(id(self.jobs.pop(key)), None)
+        else:
+            future.set_result(value)
+
+    def engine_gone(self) -> None:
+        """The pipe closed: fail every request and pending answer, and shut this process down."""
+        if self.lost is not None:
+            return
+        self.lost = ENGINE_GONE
+        log.critical(self.lost)
+        self.loop.remove_reader(self.conn.fileno())
+        for request in self.jobs.values():
+            request.emit(Event(error=self.lost))
+            if request.wake is not None:
+                request.wake()
+        self.jobs.clear()
+        for future in self.replies.values():
+            if not future.done():
+                future.set_exception(ShuttingDown(self.lost))
+        self.replies.clear()
+        self.on_lost()
+
+
+def run_frontend(conn, tokenizer, settings: AppSettings, config: SchedulerConfig, vocab_size: int,
+                 options: ServerOptions) -> None:
+    """The frontend process: uvicorn serving the app over a RemoteScheduler until SIGTERM or the engine's end."""
+    import uvicorn
+
+    os.setpgrp()  # a terminal's Ctrl-C goes to the engine, which shuts this process down in order
+    say = logging.StreamHandler(sys.stderr)
+    say.setFormatter(logging.Formatter("specdec: %(message)s"))
+    logging.getLogger("specdec").addHandler(say)
+    logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(options.log_level.upper(), options.log_level.upper()))
+    scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size)
+    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=options.host, port=options.port,
+                                           log_level=options.log_level, access_log=False,
+                                           timeout_graceful_shutdown=options.shutdown_timeout))
+    scheduler.on_lost = lambda: setattr(server, "should_exit", True)
+    server.run()

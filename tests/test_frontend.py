@@ -1,0 +1,168 @@
+"""`serve --frontend process`: the HTTP frontend in a process of its own (specdec/server/frontend.py),
+over the tiny model's scheduler in this process: the OpenAI client, concurrent greedy requests equal to
+single decodes, streaming with usage, a disconnect freeing its row, a full queue (429), health, metrics
+and the admin switch answered by the engine, an ordered shutdown, and the frontend's own exit when the
+engine goes away."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from specdec.server.app import AppSettings
+from specdec.server.bench import free_port
+from specdec.server.frontend import FrontendProcess, ServerOptions
+from specdec.server.metrics import parse_metrics
+from specdec.server.policy import BatchCosts
+from test_server import AUTH, KEY, MODEL, PROMPTS, make_scheduler, model, reference_text, wait_until  # noqa: F401
+
+START_S = 120  # a spawned frontend imports torch, transformers and FastAPI afresh
+
+
+@contextmanager
+def frontend(scheduler, **settings):
+    """The scheduler served by a frontend process on a free loopback port: yields (url, FrontendProcess)."""
+    port = free_port()
+    process = FrontendProcess(scheduler, scheduler.codec.encoder,
+                              AppSettings(model_name=MODEL, api_key=KEY, max_body_bytes=4096, **settings),
+                              ServerOptions("127.0.0.1", port, "warning", shutdown_timeout=10))
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert time.monotonic() < deadline and process.process.is_alive(), "the frontend did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield url, process
+    finally:
+        process.terminate()
+        process.exit_code = process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(model):  # noqa: F811
+    scheduler = make_scheduler(model, max_queue=4,
+                               costs=BatchCosts({1: {1: 1.0, 4: 2.0}, 4: {1: 2.0, 4: 4.0}}))
+    with frontend(scheduler, admin=True) as (url, process):
+        yield url, scheduler, process
+
+
+def post(url: str, path: str, body) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=AUTH, timeout=60)
+
+
+def metrics(url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(url + "/metrics", headers=AUTH, timeout=10).text)
+
+
+def test_concurrent_greedy_requests_through_the_openai_client_equal_single_decodes(model, served):  # noqa: F811
+    from openai import OpenAI
+
+    url, scheduler, _ = served
+    lengths = [24, 12, 30, 17]
+    client = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        replies = list(pool.map(lambda pn: client.completions.create(model=MODEL, prompt=pn[0], max_tokens=pn[1], temperature=0),
+                                zip(PROMPTS, lengths)))
+    assert [r.choices[0].text for r in replies] == [reference_text(model, p, n) for p, n in zip(PROMPTS, lengths)]
+    assert sum(r.usage.model_extra["speculation"]["drafted"] for r in replies) > 0
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=9,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-2].choices[0].finish_reason == "length"
+    wait_until(lambda: scheduler.num_running == 0)
+
+
+def test_a_disconnect_frees_the_row_in_the_engine(served, monkeypatch):
+    url, scheduler, _ = served
+    cancelled = 'specdec_requests_total{status="cancelled"}'
+    before = metrics(url)
+    launch = scheduler.ops.launch
+    monkeypatch.setattr(scheduler.ops, "launch", lambda *a: (time.sleep(0.02), launch(*a)))  # outlasts the client's reading
+    body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.Client(headers=AUTH, timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break
+            scheduler.pause()  # hold the batch, so the request cannot finish before the frontend notices
+            assert scheduler.num_running == 1
+    wait_until(lambda: metrics(url)[cancelled] == before[cancelled] + 1)
+    scheduler.resume()
+    wait_until(lambda: scheduler.num_running == 0)
+    assert scheduler.batch.free_slots() == list(range(scheduler.batch.capacity))
+
+
+def test_a_full_queue_answers_429_and_bad_input_its_4xx(served):
+    url, scheduler, _ = served
+    scheduler.pause()  # four requests fill the queue of four; the fifth finds it full
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            first = [pool.submit(post, url, "/v1/completions", {"prompt": p, "max_tokens": 4}) for p in PROMPTS[:4]]
+            wait_until(lambda: scheduler.num_waiting == 4)
+            refused = post(url, "/v1/completions", {"prompt": PROMPTS[4], "max_tokens": 4})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+            scheduler.resume()
+            assert [f.result().status_code for f in first] == [200] * 4
+    finally:
+        scheduler.resume()
+    assert post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 0}).status_code == 422
+    assert post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 10_000}).status_code == 400
+    assert httpx.get(url + "/v1/models", timeout=5).status_code == 401  # no key
+
+
+def test_health_metrics_and_the_admin_switch_are_the_engines(served):
+    url, scheduler, _ = served
+    health = httpx.get(url + "/health", timeout=5).json()
+    assert health["status"] == "ok" and health["drafter"] == "ngram" and health["policy"] == scheduler.policy.name
+    seen = metrics(url)
+    assert seen["specdec_frontend_resident_memory_bytes"] > 0 and seen["process_resident_memory_bytes"] > 0
+    switched = post(url, "/admin/spec-policy", {"policy": "off"})
+    assert switched.status_code == 200 and scheduler.policy.name == "off"
+    bad = post(url, "/admin/spec-policy", {"policy": "bogus"})
+    assert bad.status_code == 400 and "unknown speculation policy" in bad.json()["error"]["message"]
+    post(url, "/admin/spec-policy", {"policy": "on"})
+
+
+def test_shutdown_drains_and_stops_the_engine_and_a_lost_engine_ends_the_frontend(model):  # noqa: F811
+    scheduler = make_scheduler(model)
+    with frontend(scheduler) as (url, process):
+        assert post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 5}).status_code == 200
+    assert process.exit_code == 0 and process.bridge.stopped and not scheduler.thread.is_alive()
+
+    scheduler = make_scheduler(model)
+    port = free_port()
+    process = FrontendProcess(scheduler, scheduler.codec.encoder, AppSettings(model_name=MODEL),
+                              ServerOptions("127.0.0.1", port, "critical"))
+    process.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _healthy(url), timeout=START_S)
+    scheduler.pause()  # a request in flight when the engine goes
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
+        wait_until(lambda: scheduler.num_waiting == 1)
+        pipe = socket.socket(fileno=os.dup(process.conn.fileno()))
+        pipe.shutdown(socket.SHUT_RDWR)  # as if the engine process had died: the frontend fails what it holds and exits
+        pipe.close()
+        reply = held.result()
+    assert reply.status_code == 500 and "engine process has ended" in reply.json()["error"]["message"]
+    process.process.join(30)
+    assert process.process.exitcode is not None
+    assert process.wait() == 1 and not scheduler.thread.is_alive()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
