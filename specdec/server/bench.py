@@ -359,20 +359,21 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
             await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None),
                                                plan.max_tokens) for i in range(concurrency)))
             await wait_for_idle(client)
-        start = await scrape(client)
-        memory = [sample_memory(0, start)]
         procs = client_processes(concurrency, plan.client_processes)
         counts = Counts(mp.get_context("spawn"))
         if procs == 1:
+            start = await scrape(client)
             t0 = time.monotonic()
             drivers = asyncio.gather(drive(client, model, prompts, plan, n, concurrency, counts))
         else:
             started = start_clients(url, headers, model, prompts, plan, n, concurrency, procs, counts)
             while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
-                await asyncio.sleep(0.02)  # their imports and connections are not timed
+                await asyncio.sleep(0.02)  # their imports and connections are not timed (nor the server's idle wait)
+            start = await scrape(client)
             t0 = time.monotonic()
             counts.go.set()
             drivers = asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started))
+        memory = [sample_memory(0, start)]
         seen = 0
         while not drivers.done():  # progress, and memory every MEMORY_EVERY finished requests
             await asyncio.wait({drivers}, timeout=0.05)
