@@ -18,11 +18,12 @@ A fixed gamma is the `fixed` policy.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from specdec.costs import interpolate
 from specdec.errors import UserError
@@ -193,16 +194,11 @@ def expected_tokens(alphas: list[float], gamma: int) -> float:
     return total
 
 
-def batch_expected_tokens(alphas: list[list[float]], gamma: int) -> list[float]:
-    """[sum_b E_b(g) for g = 0..gamma]: `expected_tokens` summed over a batch's rows, every gamma from one
-    pass over the rows (a server prices each gamma for every row at every step)."""
-    reach_sums = [0.0] * gamma  # [i]: sum over rows of prod_{j<=i} alpha_bj
-    for row in alphas:
-        reach = 1.0
-        for i, a in enumerate(row[:gamma]):
-            reach *= a
-            reach_sums[i] += reach
-    return list(itertools.accumulate(reach_sums, initial=float(len(alphas))))
+def batch_expected_tokens(alphas: np.ndarray, gamma: int) -> np.ndarray:
+    """[sum_b E_b(g) for g = 0..gamma]: `expected_tokens` summed over a batch's rows, every gamma at once (a
+    server prices each gamma for every row at every step). alphas: [rows, >= gamma] per-position rates."""
+    reach = np.cumprod(alphas[:, :gamma], axis=1).sum(axis=0)  # [gamma]: sum over rows of prod_{j<=i} alpha_bj
+    return np.concatenate(([float(len(alphas))], len(alphas) + np.cumsum(reach)))
 
 
 def best_gamma(alphas: list[float], cost: CostModel) -> int:

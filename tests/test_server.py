@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -773,16 +774,16 @@ def linear_costs() -> BatchCosts:
     return BatchCosts({1: {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, 32: {k: 32.0 * k for k in (1, 2, 3, 4)}})
 
 
-def rows_accepting(kept: int, n: int) -> list[Acceptance]:
+def rows_accepting(kept: int, n: int) -> Acceptance:
     """n rows that, offered 3 drafts a step, kept `kept` of them 100 times."""
-    row = Acceptance.empty(3)
+    rows = Acceptance.empty(n, 3)
     for _ in range(100):
-        row.observe(3, kept)
-    return [row] * n
+        rows.observe(list(range(n)), [3] * n, [kept] * n)
+    return rows
 
 
 def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
-    def first_choice(rows: list[Acceptance]) -> int:
+    def first_choice(rows: Acceptance) -> int:
         return SpecPolicy("cost", gamma=3, costs=linear_costs()).choose(rows)
 
     assert first_choice(rows_accepting(3, 1)) == 3
@@ -793,10 +794,10 @@ def test_cost_policy_speculates_alone_and_stops_in_a_full_batch():
 
 def test_a_batch_prices_every_gamma_in_one_pass():
     """`cost` sums each row's expected tokens at every gamma; rows whose rates stop early add nothing past them."""
-    rows = [[0.9, 0.5, 0.2], [0.3], [], [1.0, 1.0, 1.0, 1.0]]
+    rows = np.array([[0.9, 0.5, 0.2, 0.0], [0.3, 0.0, 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 1.0, 1.0]])
     assert batch_expected_tokens(rows, 3) == pytest.approx([4, 4 + 0.9 + 0.3 + 1, 6.2 + 0.45 + 1, 7.65 + 0.09 + 1])
-    assert batch_expected_tokens(rows, 3) == pytest.approx([sum(expected_tokens(r, g) for r in rows) for g in range(4)])
-    assert batch_expected_tokens([], 2) == [0.0, 0.0, 0.0]
+    assert batch_expected_tokens(rows, 3) == pytest.approx([sum(expected_tokens(list(r), g) for r in rows) for g in range(4)])
+    assert list(batch_expected_tokens(np.zeros((0, 2)), 2)) == [0.0, 0.0, 0.0]
 
 
 def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
@@ -805,7 +806,7 @@ def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     assert policy.choose(rows_accepting(3, 1)) == 3 and policy.moved == "switch"  # from gamma 0, where a bucket starts
     rows = rows_accepting(1, 1)  # gamma 1 now wins, by under the margin (1.06 against 1.02 seconds)
-    alphas = [row.rates(policy.overall.rates([0.5] * 3, 2.0), policy.prior_weight) for row in rows]
+    alphas = rows.rates(policy.overall.rates(np.full(3, 0.5), 2.0)[0], policy.prior_weight)
     faster = policy.tokens_per_s(alphas, 1, 1) / policy.tokens_per_s(alphas, 3, 1)
     assert 1 < faster < 1 + SWITCH_MARGIN
     assert [policy.choose(rows) for _ in range(8)] == [3] * 8 and policy.moved is None
@@ -869,10 +870,10 @@ def test_cost_policy_explores_only_what_its_forward_times_could_make_win():
     policy = SpecPolicy("cost", gamma=3, costs=BatchCosts({4: {1: 1.0, 2: 1.87, 3: 2.13, 4: 2.93}}))
     for _ in range(STEP_SAMPLES):
         policy.observe_step_time(4, 0, 1.2)
-    rows = [Acceptance([100.0] * 3, [40.0] * 3)] * 4
+    rows = Acceptance(np.full((4, 3), 100.0), np.full((4, 3), 40.0))
     assert all(policy.could_pay(4, g) for g in (1, 2, 3))
     assert [policy.choose(rows, slots=4) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
-    alphas = [row.rates([0.5] * 3, policy.prior_weight) for row in rows_accepting(3, 4)]
+    alphas = rows_accepting(3, 4).rates(np.full(3, 0.5), policy.prior_weight)
     assert policy.worth_exploring(alphas, 4, 2, 0)  # rows that keep every draft: gamma 2 could win
 
 
@@ -1001,7 +1002,7 @@ def test_cost_policy_predicts_a_tree_step_by_its_nodes():
     assert tree.predicted_step_s(32, 0) == chain.predicted_step_s(32, 0)
 
 def test_fixed_policies():
-    rows = [Acceptance.empty(3)] * 3
+    rows = Acceptance.empty(3, 3)
     assert SpecPolicy("off", gamma=3).choose(rows) == 0
     assert SpecPolicy("on", gamma=3).choose(rows) == 3
     assert SpecPolicy("batch-threshold", gamma=3, threshold=3).choose(rows) == 3

@@ -212,7 +212,6 @@ class Serving:
 
     request: GenerationRequest
     row: Row
-    acceptance: Acceptance
     sent: int = 0  # characters of text already emitted
     last_emit: float = 0.0
     detokenized: Detokenized = field(default_factory=Detokenized)
@@ -369,6 +368,7 @@ class Scheduler:
         self.ops = ops(target, drafter, config.max_batch, config.context + width + 2, codec.decode)
         self.full, self.batch = self.ops.full, self.ops.batch
         self.running: dict[int, Serving] = {}  # slot -> request
+        self.acceptance = Acceptance.empty(config.max_batch, policy.gamma)  # each slot's request's, for the policy
         self.joining: dict[int, GenerationRequest] = {}  # slot -> request of the group, until its prompt is read
         self.waiting: deque[GenerationRequest] = deque()
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
@@ -620,7 +620,8 @@ class Scheduler:
         now = time.monotonic()
         for row in rows:
             request = self.joining.pop(row.slot)
-            serving = self.running[row.slot] = Serving(request, row, Acceptance.empty(self.policy.gamma), last_emit=now)
+            serving = self.running[row.slot] = Serving(request, row, last_emit=now)
+            self.acceptance.clear(row.slot)
             self.metrics.count_prompt(len(request.prompt_ids))
             self.emit(serving, list(row.generated))  # a copy: the row's own list grows with every step
         self.remove_finished()
@@ -650,7 +651,7 @@ class Scheduler:
             n = self.bucket()
         slots = sorted(self.running)
         drafting = [s for s in slots if self.running[s].request.speculate]
-        gamma = self.policy.choose([self.running[s].acceptance for s in drafting], n) if drafting else 0
+        gamma = self.policy.choose(self.acceptance.take(drafting), n) if drafting else 0
         if drafting and self.policy.moved:
             self.metrics.count_cost_move(self.policy.moved)
         try:
@@ -750,11 +751,10 @@ class Scheduler:
                        for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
             self.policy.observe_step(budgets, accepted, report.draft_s)
+            self.acceptance.observe([rs.row.slot for rs in report.rows], budgets, accepted)
             self.metrics.observe_step(len(report.rows), gamma, [rs.drafted for rs in report.rows], accepted)
-            for rs, budget in zip(report.rows, budgets):
-                serving = self.running[rs.row.slot]
-                serving.acceptance.observe(budget, rs.accepted)
-                self.emit(serving, rs.new)
+            for rs in report.rows:
+                self.emit(self.running[rs.row.slot], rs.new)
 
     def step_rows_alone(self, n: int, slots: list[int], gamma: int) -> list[StepReport]:
         """The step once per row with only that row active (eagerly); rows whose step raises fail."""
