@@ -159,13 +159,14 @@ class FrontendProcess:
         self.process = context.Process(target=run_frontend, name="specdec-frontend", daemon=True,
                                        args=(theirs, tokenizer, settings, scheduler.config, scheduler.vocab_size, options))
         self.theirs = theirs
+        self.serving = threading.Thread(target=self.bridge.serve, name="specdec-bridge", daemon=True)
 
     def start(self) -> None:
         """Start the decode thread (capturing its graphs first), then the frontend and the bridge."""
         self.scheduler.start()
         self.process.start()
         self.theirs.close()
-        threading.Thread(target=self.bridge.serve, name="specdec-bridge", daemon=True).start()
+        self.serving.start()
 
     def terminate(self) -> None:
         """Ask the frontend to shut down gracefully (it stops the scheduler through the bridge)."""
@@ -177,6 +178,7 @@ class FrontendProcess:
         code: 0 after an ordered shutdown (uvicorn re-raises the signal it shut down on, so the frontend's
         own code is the signal's), else 1."""
         self.process.join()
+        self.serving.join(timeout=10)  # the pipe has closed: its reader returns
         self.conn.close()
         if self.bridge.stopped:
             return 0
@@ -188,9 +190,9 @@ class FrontendProcess:
 def serve_with_frontend(scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> int:
     """`specdec serve --frontend process`: serve until a signal, then shut down in order; the exit code."""
     frontend = FrontendProcess(scheduler, tokenizer, settings, options)
+    frontend.start()  # a Ctrl-C while it captures the step graphs interrupts it as any command
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: frontend.terminate())
-    frontend.start()
     return frontend.wait()
 
 
