@@ -206,6 +206,8 @@ def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):
     sample = sample_memory(5, scraped)
     assert (sample.requests_done, sample.gpu_allocated_mib, sample.gpu_reserved_mib) == (5, 4.0, 10.0)
     assert sample.rss_mib > 0
+    frontend = {**scraped, "specdec_frontend_resident_memory_bytes": 3 << 20}  # HTTP in a process of its own
+    assert sample_memory(5, frontend).rss_mib == pytest.approx(sample.rss_mib + 3, abs=1.0)
 
 
 def test_write_report_shows_memory_growth_and_disconnects(tmp_path):

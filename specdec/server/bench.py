@@ -25,7 +25,8 @@ on the client:
 - after each level, /metrics must show no running or waiting request (every row freed) within
   DRAIN_TIMEOUT_S; the server's count of cancelled requests over the level is kept beside the
   client's disconnects;
-- server memory from /metrics: RSS (process_resident_memory_bytes) and, on CUDA, the torch
+- server memory from /metrics: RSS (process_resident_memory_bytes, plus the HTTP frontend process's,
+  specdec_frontend_resident_memory_bytes, where it has one) and, on CUDA, the torch
   allocator's allocated and reserved bytes (specdec_cuda_memory_*_bytes, summed over devices), at the
   level's start, after every MEMORY_EVERY requests and at its end (after the drain); growth = last
   sample - first.
@@ -134,7 +135,7 @@ class RequestResult:
 @dataclass
 class MemorySample:
     requests_done: int
-    rss_mib: float | None
+    rss_mib: float | None  # the server's processes together (engine, and frontend where it is one apart)
     gpu_allocated_mib: float | None  # torch's CUDA allocator, summed over devices; None without CUDA
     gpu_reserved_mib: float | None
 
@@ -324,8 +325,10 @@ def sample_memory(requests_done: int, metrics: dict[str, float]) -> MemorySample
         total = metric_total(metrics, name)
         return None if total is None else total / 2**20
 
-    return MemorySample(requests_done, mib("process_resident_memory_bytes"),
-                        mib("specdec_cuda_memory_allocated_bytes"), mib("specdec_cuda_memory_reserved_bytes"))
+    engine, frontend = mib("process_resident_memory_bytes"), mib("specdec_frontend_resident_memory_bytes")
+    rss = None if engine is None else engine + (frontend or 0.0)  # a leak in either process shows
+    return MemorySample(requests_done, rss, mib("specdec_cuda_memory_allocated_bytes"),
+                        mib("specdec_cuda_memory_reserved_bytes"))
 
 
 def memory_growth(samples: list[MemorySample], name: str) -> float | None:
