@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import sys
 from functools import partial
@@ -139,14 +138,13 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     check_serve_args(args)
-    import uvicorn
 
     from specdec.cli import drafter_extra
     from specdec.drafters import DrafterOptions, build_drafter
     from specdec.models import load_model
     from specdec.models.llama import LlamaModel
     from specdec.server.app import AppSettings, create_app
-    from specdec.server.frontend import ServerOptions, serve_with_frontend
+    from specdec.server.frontend import ServerOptions, http_server, log_to_stderr, serve_with_frontend
     from specdec.adaptive import verify_widths
     from specdec.server.policy import SpecPolicy, cost_grid, measure_batch_costs
     from specdec.models.tensor_parallel import join_group
@@ -188,10 +186,7 @@ def run_serve(args: argparse.Namespace) -> int:
           f"gamma {gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}, frontend {frontend}"
           f"{f', tensor-parallel over {shard.world} ranks' if shard.parallel else ''}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-    say = logging.StreamHandler(sys.stderr)
-    say.setFormatter(logging.Formatter("specdec: %(message)s"))
-    logging.getLogger("specdec").addHandler(say)  # the scheduler's notes (graph captures) and errors
-    logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(args.log_level.upper(), args.log_level.upper()))
+    log_to_stderr(args.log_level)
     # Two busy threads share the GIL: the decode loop and the event loop writing every stream's tokens.
     # CPython hands the GIL over every 5 ms by default; at 32 clients on an H200 (plain decoding of the
     # default model) a 0.5 ms interval gave 9.7-10.4k tok/s and a TTFT p50 of 24-26 ms, against 8.0-8.7k
@@ -200,10 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(args.host, args.port, args.log_level, args.shutdown_timeout)
     if frontend == "process":
         return serve_with_frontend(scheduler, target.tokenizer, settings, options)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=options.host, port=options.port,
-                                           log_level=options.log_level, access_log=False,
-                                           timeout_graceful_shutdown=options.shutdown_timeout))
-    server.run()  # its shutdown stops the scheduler, which releases the followers
+    http_server(create_app(scheduler, settings), options).run()  # its shutdown stops the scheduler, which releases the followers
     return 0
 
 

@@ -334,16 +334,25 @@ class RemoteScheduler:
 def run_frontend(conn, tokenizer, settings: AppSettings, config: SchedulerConfig, vocab_size: int,
                  options: ServerOptions) -> None:
     """The frontend process: uvicorn serving the app over a RemoteScheduler until SIGTERM or the engine's end."""
+    os.setpgrp()  # a terminal's Ctrl-C goes to the engine, which shuts this process down in order
+    log_to_stderr(options.log_level)
+    scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size)
+    server = http_server(create_app(scheduler, settings), options)
+    scheduler.on_lost = lambda: setattr(server, "should_exit", True)
+    server.run()
+
+
+def http_server(app, options: ServerOptions):
+    """uvicorn serving `app` (in either frontend: this process's or the engine's own thread)."""
     import uvicorn
 
-    os.setpgrp()  # a terminal's Ctrl-C goes to the engine, which shuts this process down in order
+    return uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+                                         access_log=False, timeout_graceful_shutdown=options.shutdown_timeout))
+
+
+def log_to_stderr(level: str) -> None:
+    """specdec's server notes (graph captures, errors) on stderr, at uvicorn's --log-level."""
     say = logging.StreamHandler(sys.stderr)
     say.setFormatter(logging.Formatter("specdec: %(message)s"))
     logging.getLogger("specdec").addHandler(say)
-    logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(options.log_level.upper(), options.log_level.upper()))
-    scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size)
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, settings), host=options.host, port=options.port,
-                                           log_level=options.log_level, access_log=False,
-                                           timeout_graceful_shutdown=options.shutdown_timeout))
-    scheduler.on_lost = lambda: setattr(server, "should_exit", True)
-    server.run()
+    logging.getLogger("specdec").setLevel({"TRACE": "DEBUG"}.get(level.upper(), level.upper()))

@@ -538,12 +538,7 @@ class Scheduler:
             self.drop_cancelled()
             read_during_step, self.read_during_step = self.read_during_step, False
             if not read_during_step:  # else this turn's chunk was read while the last step ran
-                self.admit()
-            if self.ops.prefill is not None and not read_during_step:
-                for launch in self.launched:
-                    launch.timed = False  # its read waits for the prefill too
-                self.read_chunk()
-                self.hand_over()  # first tokens go out before the step
+                self.read_prompts()
             stepping = time.perf_counter()
             self.metrics.add_decode_time("prefill", stepping - start)
             if self.running:
@@ -578,6 +573,18 @@ class Scheduler:
         with self.cond:
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
 
+    def read_prompts(self, during_step: bool = False) -> bool:
+        """Admit waiting requests (admit), then read one chunk of the group's prompts (read_chunk); its first
+        tokens go out at once, before the step. Whether a chunk was read."""
+        self.admit()
+        if self.ops.prefill is None:
+            return False
+        for launch in self.launched:
+            launch.timed = False  # its read waits for the prefill too
+        self.read_chunk(during_step)
+        self.hand_over()
+        return True
+
     def admit(self) -> None:
         """Start a prefill group of waiting requests in free slots, unless one is being read. With prefill
         graphs a group is what one replay reads (BatchOps.group_size), and a burst of requests is read in a
@@ -606,7 +613,7 @@ class Scheduler:
             log.exception("prefill failed")
             self.fail_joining(f"prefill failed: {type(e).__name__}: {e}")
 
-    def read_chunk(self, during_step: bool = False) -> None:
+    def read_chunk(self, during_step: bool) -> None:
         """Read one chunk of the group's prompts; the rows whose prompt it ends start running."""
         try:
             self.metrics.count_prefill(self.ops.prefill.graph is not None, during_step)
@@ -716,14 +723,8 @@ class Scheduler:
             if self.watch.fired is done:
                 return
         start = time.perf_counter()
-        self.admit()
-        if self.ops.prefill is not None:  # one chunk at most: the steps after this one wait for no more
-            launch.timed = False  # its read waits for the prefill too
-            for later in self.launched:
-                later.timed = False
-            self.read_chunk(during_step=True)
-            self.read_during_step = True
-            self.hand_over()
+        launch.timed = False  # its read waits for the prefill too
+        self.read_during_step = self.read_prompts(during_step=True)  # the turn's one chunk
         spent = time.perf_counter() - start
         self.metrics.add_decode_time("prefill", spent)
         self.waited += spent  # not the host's step work
