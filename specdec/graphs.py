@@ -21,6 +21,14 @@ from specdec.models.kernels import counter_lane
 from specdec.models.llama import ModelOutput, aux_args
 
 
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> torch.cuda.graph:
+    """Capture into `graph` (sharing `pool`) on this thread alone. The default mode ("global") lets any
+    thread's synchronising call invalidate the capture, and in the server another thread does make them:
+    StepWatch waits for a step's outcome event while the decode thread may capture a shape it needs
+    for the first time (cudaErrorStreamCaptureInvalidated, seen on an H200)."""
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+
+
 @dataclass
 class Captured:
     graph: torch.cuda.CUDAGraph
@@ -68,7 +76,7 @@ class GraphedModel:
                 self.cache.lengths.copy_(lengths)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with fusing(), torch.cuda.graph(graph, pool=self.pool):
+        with fusing(), capturing(graph, self.pool):
             out = self.model(tokens, positions, self.cache, mask)
         self.cache.lengths.copy_(lengths)  # capturing ran nothing, but be explicit: the cache is as before
         self.graphs[key] = Captured(graph, tokens, positions, mask, out)
@@ -171,7 +179,7 @@ class PrefillGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         scratch.lengths.zero_()
-        with torch.cuda.graph(graph, pool=self.pool), counter_lane(PREFILL_LANE):
+        with capturing(graph, self.pool), counter_lane(PREFILL_LANE):
             out = self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
         self.graphs[key] = PrefillGraph(graph, scratch, tokens, positions, last, out)
         return self.graphs[key]

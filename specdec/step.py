@@ -42,7 +42,7 @@ from specdec.batch import (FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, ap
                            first_token_outcome, top_k_bound)
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
-from specdec.graphs import PREFILL_LANE, PrefillGraphs, prefill_graph_tokens
+from specdec.graphs import PREFILL_LANE, PrefillGraphs, capturing, prefill_graph_tokens
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import counter_lane, kernel_path
@@ -708,7 +708,7 @@ class Stepper:
                 join_rows(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.join_pool):
+        with capturing(graph, self.join_pool):
             join_rows(*args)
         fill_slot(self.batch.active, free[0], False)
         self.join_graphs[key] = JoinGraph(graph, index, first, sampled)
@@ -749,12 +749,12 @@ class Stepper:
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
             proposal = static
             if gamma and not host:
-                with torch.cuda.graph(graphs[0], pool=self.pool):
+                with capturing(graphs[0], self.pool):
                     proposal = propose(self.drafter, batch, gamma, shape, any_sampled)
-            with torch.cuda.graph(graphs[1], pool=self.pool):
+            with capturing(graphs[1], self.pool):
                 out = verify(self.target, self.cache, batch, proposal, shape, any_sampled, aux_layers=self.aux_layers)
             if not host:
-                with torch.cuda.graph(graphs[2], pool=self.pool):
+                with capturing(graphs[2], self.pool):
                     self.drafter.commit(batch, out.verified)
         batch.active.copy_(active)
         batch.sampling.max_top_k = bound
