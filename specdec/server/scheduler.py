@@ -544,6 +544,7 @@ class Scheduler:
             if self.running:
                 self.step()
             if not self.running or self.paused:
+                self.hand_over()  # rows that just finished: out now, not after the step in flight (drain)
                 self.drain()
         except Exception as e:  # a bug outside any one request: fail the batch, keep serving
             if self.device_lost():
