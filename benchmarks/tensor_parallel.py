@@ -14,7 +14,9 @@ Random-weight targets of real shapes (bf16, batch 1, a 512-token context), shard
    pair (`--pair`, a `specdec bench` results.json) over this target's measured step cost;
 4. greedy speculative output equals plain greedy output on this sharded target (token for token);
 5. the drafters run replicated on every rank; the alternative (draft on rank 0, broadcast the proposal)
-   would add one broadcast per step: its cost, graphed, is measured here.
+   would add one broadcast per step: its cost, graphed, is measured here;
+6. with --kernels, where a graphed one-token forward's time goes: each kernel's device time per forward
+   (torch.profiler), their sum against the forward's wall time (the rest: gaps between kernels).
 
 Rank 0 writes DIR/tp<N>-<shape>.json and prints a summary.
 """
@@ -136,6 +138,50 @@ def skip_communication(shard) -> None:
     Split.gather_ranks = lambda self, y: y.expand(shard.world, *y.shape)
 
 
+def kernel_profile(model, prompt: list[int], replays: int = 20) -> dict:
+    """Device time per graphed one-token forward, by kernel (torch.profiler), and the forward's wall time
+    (CUDA events): how much of a token is kernels and how much the gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specdec.costs import Stopwatch
+    from specdec.graphs import GraphedModel, bucket
+
+    cache = model.new_cache(1, bucket(len(prompt) + 2), static=True)
+    graphed = GraphedModel(model, cache)
+    ids = torch.tensor([prompt], device="cuda")
+    graphed(ids, torch.arange(len(prompt), device="cuda")[None], cache)
+    start = torch.tensor([len(prompt)], device="cuda")
+    token, positions = ids[:, :1], start[:, None]
+
+    def forward() -> None:
+        cache.trim(start)
+        graphed(token, positions, cache)
+
+    for _ in range(3):  # capture and warm up
+        forward()
+    watch, walls = Stopwatch(torch.device("cuda")), []
+    for _ in range(replays):
+        watch.mark("start")
+        forward()
+        watch.mark("end")
+        walls.append(watch.seconds("start", "end"))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            forward()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time_total)
+    rows = sorted(({"kernel": name[:120], "per_forward": len(t) / replays, "us_per_forward": sum(t) / replays}
+                   for name, t in kernels.items()), key=lambda r: -r["us_per_forward"])
+    busy = sum(r["us_per_forward"] for r in rows)
+    wall = statistics.median(walls) * 1e6
+    return {"wall_us": wall, "kernel_us": busy, "gap_us": wall - busy,
+            "kernels_per_forward": sum(r["per_forward"] for r in rows), "by_kernel": rows}
+
+
 def pair_tau(path: str | None) -> dict:
     """tau and alpha per drafter of the default model's pair, from a `specdec bench` results.json."""
     if path is None:
@@ -158,6 +204,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--skip-drafters", action="store_true")
     ap.add_argument("--compute-only", action="store_true", help="diagnostic: no communication (wrong outputs), times only")
+    ap.add_argument("--kernels", action="store_true", help="profile a graphed one-token forward by kernel")
     args = ap.parse_args()
     shard = join_group(int(os.environ.get("WORLD_SIZE", "1")), "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -185,6 +232,12 @@ def main() -> int:
         "forward_ms": {k: t * 1e3 for k, t in times.items()}, "verify_ratio": ratios,
         "compute_only": args.compute_only,
     }
+    if args.kernels:
+        result["kernels"] = profiled = kernel_profile(model, prompt)
+        say(shard, f"one graphed forward: {profiled['wall_us']:.0f} us wall, {profiled['kernel_us']:.0f} us in "
+                   f"{profiled['kernels_per_forward']:.0f} kernels, {profiled['gap_us']:.0f} us between them")
+        for row in profiled["by_kernel"][:20]:
+            say(shard, f"  {row['us_per_forward']:8.1f} us  x{row['per_forward']:5.1f}  {row['kernel'][:90]}")
     if shard.parallel and not args.compute_only:
         result["all_gather_us"] = all_gather_us(shard, config.hidden_size)
         say(shard, f"one graphed all-gather of a [1, {config.hidden_size}] float32 partial: {result['all_gather_us']:.1f} us; "
