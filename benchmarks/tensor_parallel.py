@@ -170,16 +170,24 @@ def kernel_profile(model, prompt: list[int], replays: int = 20) -> dict:
         for _ in range(replays):
             forward()
         torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
     kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(e.name, []).append(e.device_time_total)
+    for e in events:
+        kernels.setdefault(e.name, []).append(e.device_time_total)
     rows = sorted(({"kernel": name[:120], "per_forward": len(t) / replays, "us_per_forward": sum(t) / replays}
                    for name, t in kernels.items()), key=lambda r: -r["us_per_forward"])
     busy = sum(r["us_per_forward"] for r in rows)
     wall = statistics.median(walls) * 1e6
-    return {"wall_us": wall, "kernel_us": busy, "gap_us": wall - busy,
-            "kernels_per_forward": sum(r["per_forward"] for r in rows), "by_kernel": rows}
+    per_forward = len(events) // replays  # every replay runs the same kernels in the same order
+    sequence = [{"kernel": events[i].name[:120],
+                 "us": statistics.median(events[r * per_forward + i].device_time_total for r in range(replays)),
+                 "gap_before_us": statistics.median(events[r * per_forward + i].time_range.start
+                                                    - events[r * per_forward + i - 1].time_range.end for r in range(replays))
+                 if i else 0.0}
+                for i in range(min(per_forward, 60))] if len(events) == per_forward * replays else []
+    return {"wall_us": wall, "kernel_us": busy, "gap_us": wall - busy, "kernels_per_forward": len(events) / replays,
+            "by_kernel": rows, "first_kernels_in_order": sequence}
 
 
 def pair_tau(path: str | None) -> dict:
@@ -238,6 +246,9 @@ def main() -> int:
                    f"{profiled['kernels_per_forward']:.0f} kernels, {profiled['gap_us']:.0f} us between them")
         for row in profiled["by_kernel"][:20]:
             say(shard, f"  {row['us_per_forward']:8.1f} us  x{row['per_forward']:5.1f}  {row['kernel'][:90]}")
+        say(shard, "the first kernels of a forward, in order (median us, gap before it):")
+        for row in profiled["first_kernels_in_order"][:40]:
+            say(shard, f"  {row['us']:7.1f} us  +{row['gap_before_us']:5.1f}  {row['kernel'][:90]}")
     if shard.parallel and not args.compute_only:
         result["all_gather_us"] = all_gather_us(shard, config.hidden_size)
         say(shard, f"one graphed all-gather of a [1, {config.hidden_size}] float32 partial: {result['all_gather_us']:.1f} us; "

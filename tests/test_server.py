@@ -523,11 +523,8 @@ def test_concurrent_requests_equal_single_greedy_decodes(model, server):
     assert after["specdec_accepted_tokens_total"] > before["specdec_accepted_tokens_total"]  # and speculation paid
 
 
-def test_a_finished_rows_last_event_goes_out_before_the_step_in_flight_is_read(model, monkeypatch):
-    """With steps pipelined (forced on the CPU), the step launched before the read that finishes the last
-    row is still in flight when that row finishes; the request's final event (finish reason, usage) must
-    go out before the scheduler waits for that step (drain), not after it: on an H200 a drafting step
-    takes about 2 ms, which every request at one client would otherwise wait."""
+def pipeline_steps(monkeypatch) -> None:
+    """Pipeline the steppers built from now on (launch a step before the last is read), as under CUDA graphs."""
     from specdec.step import Stepper
 
     build = Stepper.__init__
@@ -537,6 +534,14 @@ def test_a_finished_rows_last_event_goes_out_before_the_step_in_flight_is_read(m
         self.pipelined = True
 
     monkeypatch.setattr(Stepper, "__init__", pipelined)
+
+
+def test_a_finished_rows_last_event_goes_out_before_the_step_in_flight_is_read(model, monkeypatch):
+    """With steps pipelined (forced on the CPU), the step launched before the read that finishes the last
+    row is still in flight when that row finishes; the request's final event (finish reason, usage) must
+    go out before the scheduler waits for that step (drain), not after it: on an H200 a drafting step
+    takes about 2 ms, which every request at one client would otherwise wait."""
+    pipeline_steps(monkeypatch)
     scheduler = make_scheduler(model)
     events: list[Event] = []
     ids = model.tokenizer(PROMPTS[0])["input_ids"]
@@ -563,15 +568,7 @@ def test_a_pipelined_step_that_finishes_rows_while_the_bucket_shrinks(model, tmp
     in slots 0, 1, 2 take one token per step (policy off); slot 2 finishes one step before slot 0, so the
     bucket shrinks from 4 to 2 while the step that finishes slot 0 is in flight. The step was planned on
     the slots from before that read, failed on slot 0 and fell back to row by row."""
-    from specdec.step import Stepper
-
-    build = Stepper.__init__
-
-    def pipelined(self, *args, **kwargs):
-        build(self, *args, **kwargs)
-        self.pipelined = True
-
-    monkeypatch.setattr(Stepper, "__init__", pipelined)
+    pipeline_steps(monkeypatch)
     draft = tiny_pair(tmp_path, "llama", seed=1, logit_scale=8.0, num_hidden_layers=1)[0]
     scheduler = make_scheduler(model, policy="off", drafter=make_drafter("draft_model", model, draft))
     lengths = [9, 30, 8]
