@@ -131,14 +131,15 @@ def test_targets_come_from_the_measured_levels():
 
 
 def test_repeats_interleave_the_policies(model):
-    """--repeats N: N passes, each over every policy and concurrency in order, each level tagged with its pass."""
+    """--repeats N: N passes, each over every concurrency and at each every policy, in the given order in the
+    first pass and reversed in the second (a drift favours neither), each level tagged with its pass."""
     costs = measure_batch_costs(model, [1], [1, 2, 3, 4], context=16, repeats=1)
     plan = LoadPlan(concurrency=(1,), policies=("off", "cost"), requests=2, max_tokens=4,
                     sampling=fixed_sampling(0.0), threshold=2, repeats=2)
     saved = []
     with serving(make_scheduler(model, policy="off", costs=costs), admin=True) as (url, _):
         _, levels = run_load(url, KEY, PROMPTS, plan, after_pass=lambda health, done: saved.append(len(done)))
-    assert [(lv.repeat, lv.policy) for lv in levels] == [(0, "off"), (0, "cost"), (1, "off"), (1, "cost")]
+    assert [(lv.repeat, lv.policy) for lv in levels] == [(0, "off"), (0, "cost"), (1, "cost"), (1, "off")]
     assert saved == [2]  # after the first pass (the caller writes the last)
     assert all(lv.ok == 2 and lv.rows_freed for lv in levels)
     assert all(set(lv.cost_moves) == {"switch", "probe"} for lv in levels)  # scraped from /metrics at every level

@@ -628,6 +628,12 @@ def switch_policy(url: str, headers: dict, policy: str, threshold: int) -> None:
         raise UserError(f"switching to policy {policy!r} failed: HTTP {response.status_code}: {response.text[:200]}")
 
 
+def policy_order(policies: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+    """The order of a pass's levels at one concurrency: as given in even passes, reversed in odd ones, so
+    that a drift within a level's run (the machine speeding up or slowing down) favours no policy."""
+    return policies if repeat % 2 == 0 else policies[::-1]
+
+
 def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan,
              after_pass: Callable[[dict, list[LevelResult]], None] | None = None) -> tuple[dict, list[LevelResult]]:
     """Every policy x concurrency level against the server at url; (server /health, levels). `after_pass`
@@ -643,7 +649,7 @@ def run_load(url: str, key: str | None, prompts: list[str], plan: LoadPlan,
     with tqdm(total=total, unit="req", desc="bench-serve") as progress:
         for repeat in range(plan.repeats):
             for c in plan.concurrency:  # the policies compared at c run back to back: what drifts between them is least
-                for policy in plan.policies:
+                for policy in policy_order(plan.policies, repeat):
                     switch_policy(url, headers, policy, plan.threshold)
                     which = f" pass {repeat + 1}/{plan.repeats}" if plan.repeats > 1 else ""
                     progress.set_postfix_str(f"{policy} c={c}{which}")
@@ -856,7 +862,7 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
         "first; both over completed requests. All measured on the client, in one run. Memory growth = the "
         "server's last sample of the level - its first (MiB).", "",
         format_table(levels), "",
-        *(["## Medians over passes", "", "Each pass ran every concurrency once, and at each every policy, back to back.", "",
+        *(["## Medians over passes", "", "Each pass ran every concurrency once, and at each every policy, back to back (in the given order in odd passes, reversed in even ones).", "",
             format_medians(levels), ""] if max(lv.repeat for lv in levels) else []),
         "## Targets (issue 13), from the levels above (medians over passes)", "", *format_checks(checks), "",
         "## Requests", "", *request_lines(levels),
