@@ -23,7 +23,7 @@
 
 Results go to OUT/kernels.json as each part finishes; a compact table is printed at the end.
 
-    python benchmarks/kernels.py --out OUT [--quick] [--skip-8b] [--sweep-seconds 100]
+    python benchmarks/kernels.py --out OUT [--quick] [--skip-8b] [--tp2] [--sweep-seconds 100]
     python benchmarks/kernels.py --asm     # no GPU: the sm_90 code of every kernel (smem, registers, MMA kind)
 
 About 2 minutes on an H200 (--budget caps the optional parts); --quick skips the sweep, the attention
@@ -33,6 +33,7 @@ tilings and the tuned / no-PDL forwards (about a minute).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -57,7 +58,11 @@ DEFAULT = ModelConfig(
     num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None,
     max_position_embeddings=8192, tie_word_embeddings=True,
 )  # SmolLM2-135M
-MODELS = {"default": DEFAULT, "8b": LLAMA3_8B}
+LLAMA3_8B_TP2 = dataclasses.replace(LLAMA3_8B, num_heads=16, num_kv_heads=4, intermediate_size=7168, vocab_size=64128)
+# one rank's weights of the 8B shape at TP=2 (specdec/models/tensor_parallel.py): half the heads and MLP features
+# (q/k/v, gate_up), half the inputs of o_proj and down, half the vocabulary. Its forward is a rank's compute
+# without the communication and the partial sums' kernels (tensor_parallel.py times those on 2 GPUs).
+MODELS = {"default": DEFAULT, "8b": LLAMA3_8B, "8b-tp2": LLAMA3_8B_TP2}
 ROWS = (1, 2, 5, 11, 16, 33, 64)
 BENCH_ROWS = (1, 16)
 KS = (1, 2, 4, 8, 11, 16)
@@ -632,7 +637,7 @@ def print_table(results: dict) -> None:
         programs = " ".join(f"P={k}:{v:.1f}" for k, v in r.get("programs", {}).items())
         print(f"{r['model']:8s} context {r['context']:5d} T={r['T']:2d}  {r['exact_us']:7.1f} | {r['sdpa_us']:7.1f}  {tilings}  {programs}")
     print("\n== (e) whole forwards in CUDA graphs (context 512, batch 1)")
-    for name in ("default", "8b"):
+    for name in MODELS:
         f = results.get(f"forward_{name}")
         if not f:
             continue
@@ -664,6 +669,7 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="skip the sweep, the attention tilings and the tuned / no-PDL forwards")
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--tp2", action="store_true", help="also one rank's shapes of the 8B target at TP=2 (8b-tp2)")
     ap.add_argument("--sweep-seconds", type=float, default=100)
     ap.add_argument("--budget", type=float, default=280, help="seconds: the sweep and the optional forwards shrink to fit")
     ap.add_argument("--asm", action="store_true", help="no GPU: compile every kernel for sm_90 here and report its code")
@@ -679,6 +685,8 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.skip_8b:
         MODELS.pop("8b")
+    if args.skip_8b or not args.tp2:
+        MODELS.pop("8b-tp2")
     import triton
 
     results: dict = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__}
@@ -711,10 +719,10 @@ def main() -> int:
     if not ops().TUNED_GEMM:  # nothing shipped: exact is the heuristic
         variants = [v for v in variants if v != "exact-heuristic"]
     step("forward_default", lambda: whole_forwards("default", DEFAULT, device, bandwidth, variants, swept.get("default"), time_left))
-    if not args.skip_8b:
-        step("forward_8b", lambda: whole_forwards("8b", LLAMA3_8B, device, bandwidth,
-                                                  [v for v in variants if v in ("exact", "exact-tuned", "exact-heuristic", "library")],
-                                                  swept.get("8b"), time_left))
+    for name in [m for m in MODELS if m != "default"]:
+        step(f"forward_{name}", lambda name=name: whole_forwards(name, MODELS[name], device, bandwidth,
+                                                                 [v for v in variants if v in ("exact", "exact-tuned", "exact-heuristic", "library")],
+                                                                 swept.get(name), time_left))
     print_table(results)
     print(f"\n{results['gpu']}, torch {results['torch']}, triton {results['triton']}, copy {results['copy_bandwidth_gbs']:.0f} GB/s; "
           f"total {time.perf_counter() - start:.0f} s; details in {out / 'kernels.json'}")
