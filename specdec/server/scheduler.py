@@ -724,8 +724,9 @@ class Scheduler:
             if self.watch.fired is done:
                 return
         start = time.perf_counter()
-        launch.timed = False  # its read waits for the prefill too
         self.read_during_step = self.read_prompts(during_step=True)  # the turn's one chunk
+        if self.read_during_step:
+            launch.timed = False  # its read waits for the prefill too (read_prompts marked the later ones)
         spent = time.perf_counter() - start
         self.metrics.add_decode_time("prefill", spent)
         self.waited += spent  # not the host's step work
