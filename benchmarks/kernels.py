@@ -674,6 +674,10 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=280, help="seconds: the sweep and the optional forwards shrink to fit")
     ap.add_argument("--asm", action="store_true", help="no GPU: compile every kernel for sm_90 here and report its code")
     args = ap.parse_args()
+    if args.skip_8b:
+        MODELS.pop("8b")
+    if args.skip_8b or not args.tp2:
+        MODELS.pop("8b-tp2")
     if args.asm:
         asm_report()
         return 0
@@ -683,10 +687,6 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.skip_8b:
-        MODELS.pop("8b")
-    if args.skip_8b or not args.tp2:
-        MODELS.pop("8b-tp2")
     import triton
 
     results: dict = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__}

@@ -179,15 +179,21 @@ def kernel_profile(model, prompt: list[int], replays: int = 20) -> dict:
                    for name, t in kernels.items()), key=lambda r: -r["us_per_forward"])
     busy = sum(r["us_per_forward"] for r in rows)
     wall = statistics.median(walls) * 1e6
-    per_forward = len(events) // replays  # every replay runs the same kernels in the same order
-    sequence = [{"kernel": events[i].name[:120],
-                 "us": statistics.median(events[r * per_forward + i].device_time_total for r in range(replays)),
-                 "gap_before_us": statistics.median(events[r * per_forward + i].time_range.start
-                                                    - events[r * per_forward + i - 1].time_range.end for r in range(replays))
-                 if i else 0.0}
-                for i in range(min(per_forward, 60))] if len(events) == per_forward * replays else []
     return {"wall_us": wall, "kernel_us": busy, "gap_us": wall - busy, "kernels_per_forward": len(events) / replays,
-            "by_kernel": rows, "first_kernels_in_order": sequence}
+            "by_kernel": rows, "first_kernels_in_order": kernel_sequence(events, replays)}
+
+
+def kernel_sequence(events: list, replays: int, first: int = 60) -> list[dict]:
+    """The first kernels of a forward in order, each with its median device time and the median gap before it
+    over the replays (events: every replay's kernels, sorted by start; empty if the replays differ in count)."""
+    n = len(events) // replays
+    if n * replays != len(events):
+        return []
+    at = [[events[r * n + i] for r in range(replays)] for i in range(min(n, first))]  # [kernel][replay]
+    return [{"kernel": same[0].name[:120], "us": statistics.median(e.device_time_total for e in same),
+             "gap_before_us": statistics.median(e.time_range.start - before.time_range.end
+                                                for e, before in zip(same, at[i - 1])) if i else 0.0}
+            for i, same in enumerate(at)]
 
 
 def pair_tau(path: str | None) -> dict:

@@ -629,8 +629,8 @@ def switch_policy(url: str, headers: dict, policy: str, threshold: int) -> None:
 
 
 def policy_order(policies: tuple[str, ...], repeat: int) -> tuple[str, ...]:
-    """The order of a pass's levels at one concurrency: as given in even passes, reversed in odd ones, so
-    that a drift within a level's run (the machine speeding up or slowing down) favours no policy."""
+    """The order of the policies' levels at one concurrency in pass `repeat` (from 0): as given in passes 0,
+    2, 4, ..., reversed in 1, 3, ..., so that a drift within a concurrency's run favours no policy."""
     return policies if repeat % 2 == 0 else policies[::-1]
 
 
