@@ -92,6 +92,17 @@ def test_requests_spread_disconnects_and_meet_every_sampling_set():
     assert Counter(s.sampling.name for s in specs[:10]) == Counter({s.name: 2 for s in SAMPLING_MIX})  # mixed at once
     none_leave = LoadPlan((1,), ("on",), 50, 8, fixed_sampling(0.5), 2)
     assert all(plan_request(none_leave, PROMPTS, i).disconnect_after is None for i in range(50))
+    assert {s.max_tokens for s in specs} == {8}
+
+
+def test_request_lengths_spread_evenly_over_a_range():
+    plan = LoadPlan((4,), ("off", "cost"), 200, 128, fixed_sampling(0.0), 2, max_tokens_low=64)
+    lengths = [plan_request(plan, PROMPTS, i).max_tokens for i in range(200)]
+    assert min(lengths) == 64 and max(lengths) == 128
+    assert len(set(lengths[:4])) == 4  # a wave of closed-loop clients asks for different lengths
+    halves = Counter(n < 96 for n in lengths)
+    assert abs(halves[True] - halves[False]) <= 4  # even: about as many below the middle as above
+    assert lengths == [plan_request(plan, PROMPTS, i).max_tokens for i in range(200)]  # the same for every policy
 
 
 def test_sampling_fields_are_ones_the_server_reads():
@@ -229,6 +240,8 @@ def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
     (["--sampling-mix", "--temperature", "0.5"], "--sampling-mix sets each request's temperature"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--max-tokens", "128-64"], "expected N or LOW-HIGH with 1 <= LOW <= HIGH, got '128-64'"),
+    (["--max-tokens", "0"], "expected N or LOW-HIGH"),
 ])
 def test_bench_serve_argument_errors_are_one_line(capsys, argv, message):
     from specdec.cli import main

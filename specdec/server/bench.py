@@ -77,6 +77,7 @@ MEMORY_EVERY = 250  # requests between server memory samples within a level
 LEVEL_REQUESTS = (32, 8)
 STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives (against a GPU server)
 DISCONNECT_AFTER_CHUNKS = 3  # chunks with a choice a disconnecting client reads before closing
+GOLDEN = (5**0.5 - 1) / 2  # index x GOLDEN mod 1 spreads request lengths evenly (plan_request)
 DRAIN_TIMEOUT_S = 30.0  # after a level, for the server's running and waiting requests to reach 0
 COST_VS_OFF_TARGET = 1.0  # issue 13: `cost` >= 1.0x `off` ...
 COST_VS_BEST_TARGET = 0.95  # ... and within 5 % of the better of `off` and `on`
@@ -117,6 +118,7 @@ class RequestSpec:
     prompt: str
     sampling: SamplingSet
     disconnect_after: int | None  # chunks read before closing the stream; None: read it to the end
+    max_tokens: int
 
 
 @dataclass
@@ -194,6 +196,7 @@ class LoadPlan:
     warmup: bool = True  # one untimed wave of `concurrency` requests before each level (see run_level)
     client_processes: int | None = None  # processes sharing a level's streams; None: client_processes()
     repeats: int = 1  # passes over every policy x concurrency, interleaved, so drift hits every policy alike
+    max_tokens_low: int | None = None  # each request's max_tokens spread over [low, max_tokens] (plan_request)
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests or max(LEVEL_REQUESTS[0], LEVEL_REQUESTS[1] * concurrency)
@@ -210,12 +213,20 @@ class TargetCheck:
 def plan_request(plan: LoadPlan, prompts: list[str], index: int) -> RequestSpec:
     """Request `index` of a level: the prompts in turn; the sampling sets in turn, one further on at
     every pass over the prompts; a disconnect when floor((index + 1) x F) > floor(index x F), F being
-    disconnect_fraction (floor(n x F) of n requests, evenly spread: every 10th at 0.1)."""
+    disconnect_fraction (floor(n x F) of n requests, evenly spread: every 10th at 0.1); max_tokens the
+    plan's, or with max_tokens_low spread evenly over [low, max_tokens] by the golden-ratio sequence (the
+    same for every policy). Closed-loop clients whose requests all stop at one length stay in lockstep
+    under plain decoding (they arrive together and their prompts share prefill forwards) until a step
+    emits more than one token; spread lengths take that artefact out of the comparison."""
     passes, position = divmod(index, len(prompts))
     sampling = plan.sampling[(position + passes) % len(plan.sampling)]
     f = plan.disconnect_fraction
     leaves = int((index + 1) * f) > int(index * f)
-    return RequestSpec(index, prompts[position], sampling, DISCONNECT_AFTER_CHUNKS if leaves else None)
+    max_tokens = plan.max_tokens
+    if plan.max_tokens_low is not None:
+        span = plan.max_tokens - plan.max_tokens_low + 1
+        max_tokens = plan.max_tokens_low + int((index * GOLDEN) % 1 * span)
+    return RequestSpec(index, prompts[position], sampling, DISCONNECT_AFTER_CHUNKS if leaves else None, max_tokens)
 
 
 def sampling_fields(sampling: SamplingSet, index: int) -> dict:
@@ -257,9 +268,9 @@ def chunk_problem(chunk: object) -> str | None:
     return None
 
 
-async def one_request(client, model: str, spec: RequestSpec, max_tokens: int) -> RequestResult:
+async def one_request(client, model: str, spec: RequestSpec) -> RequestResult:
     """Send one streamed chat completion and check every chunk; close early if the spec says so."""
-    body = {"model": model, "messages": [{"role": "user", "content": spec.prompt}], "max_tokens": max_tokens,
+    body = {"model": model, "messages": [{"role": "user", "content": spec.prompt}], "max_tokens": spec.max_tokens,
             **sampling_fields(spec.sampling, spec.index), "stream": True, "stream_options": {"include_usage": True}}
     name = spec.sampling.name
     t0 = time.perf_counter()
@@ -359,8 +370,8 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
     n = plan.requests_at(concurrency)
     async with http_client(url, headers, concurrency) as client:
         if plan.warmup:  # the level's batch bucket captures its graphs here, not in the timed requests
-            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None),
-                                               plan.max_tokens) for i in range(concurrency)))
+            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None))
+                                   for i in range(concurrency)))
             await wait_for_idle(client)
         procs = client_processes(concurrency, plan.client_processes)
         counts = Counts(mp.get_context("spawn"))
@@ -443,7 +454,7 @@ async def drive(client, model: str, prompts: list[str], plan: LoadPlan, n: int, 
 
     async def worker() -> None:
         while (i := counts.take(n)) is not None:
-            results.append(await one_request(client, model, plan_request(plan, prompts, i), plan.max_tokens))
+            results.append(await one_request(client, model, plan_request(plan, prompts, i)))
             counts.add(counts.finished)
 
     await asyncio.gather(*(worker() for _ in range(streams)))

@@ -39,6 +39,18 @@ def default_prefill_chunk(device) -> int:
     return PREFILL_CHUNK["large-gpu" if large else "cuda"]
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """--max-tokens: N, or LOW-HIGH with 1 <= LOW <= HIGH; (low, high)."""
+    try:
+        low, _, high = text.partition("-")
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise UserError(f"--max-tokens: expected N or LOW-HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return bounds
+
+
 def add_server_commands(sub) -> None:
     from specdec.cli import add_config_arg, add_model_args, add_tp_arg, csv
 
@@ -80,7 +92,9 @@ def add_server_commands(sub) -> None:
     b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32, 64), help="comma-separated client counts")
     b.add_argument("--policies", type=csv(str), default=("off", "on", "batch-threshold", "cost"), help="comma-separated policies")
     b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(32, 8 x concurrency))")
-    b.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    b.add_argument("--max-tokens", default="128",
+                   help="max_tokens of every request, or LOW-HIGH: spread evenly over that range (the same lengths for "
+                        "every policy), so closed-loop clients do not stay in lockstep")
     b.add_argument("--temperature", type=float, default=None, help="of every request (default 0: greedy)")
     b.add_argument("--sampling-mix", action="store_true",
                    help="requests take fixed sampling sets in turn (greedy, top_p, top_k, seeded) instead of --temperature")
@@ -233,8 +247,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError("--policies needs at least one of off, on, batch-threshold, cost")
     for policy in args.policies:
         check_policy(policy, DEFAULT_GAMMA if args.gamma is None else args.gamma, args.spec_threshold)
-    if args.requests is not None and args.requests < 1 or args.max_tokens < 1:
-        raise UserError("--requests and --max-tokens must be >= 1")
+    if args.requests is not None and args.requests < 1:
+        raise UserError("--requests must be >= 1")
     if args.sampling_mix and args.temperature is not None:
         raise UserError("--sampling-mix sets each request's temperature: leave out --temperature")
     if args.temperature is not None and args.temperature < 0:
@@ -247,16 +261,17 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
     prompts = prompts_for(args.task, args.limit)
     sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
-    plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, args.max_tokens, sampling,
+    low, high = token_range(args.max_tokens)
+    plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, high, sampling,
                     args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup,
-                    client_processes=args.client_processes, repeats=args.repeats)
+                    client_processes=args.client_processes, repeats=args.repeats, max_tokens_low=low if low < high else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     def config_of(health: dict) -> dict:
         return {"model": health.get("model"), "url": args.url, "drafter": health.get("drafter"),
                 "gamma": health.get("gamma"), "threshold": args.spec_threshold, "task": args.task, "prompts": len(prompts),
-                "max_tokens": args.max_tokens, "sampling": [asdict(s) for s in sampling],
+                "max_tokens": high if low == high else f"{low}-{high}", "sampling": [asdict(s) for s in sampling],
                 "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
                 "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency],
                 "repeats": args.repeats}
