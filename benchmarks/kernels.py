@@ -482,7 +482,7 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
         try:
             if variant == "exact-tuned":
                 extra, out["tuned_entries"] = validate_entries(model, swept or {}, shipped, configure, time_left)
-                out["supported_entries"] = {str(k): vars(v) for k, v in extra.items()}
+                out["supported_entries"] = [entry_record(k, v) for k, v in extra.items()]
                 if not extra:
                     print(f"  {name} {variant}: no entry helps the forward ({time.perf_counter() - t0:.0f} s)", flush=True)
                     continue
@@ -507,6 +507,24 @@ def whole_forwards(name: str, c: ModelConfig, device: torch.device, bandwidth: f
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def entry_record(key: tuple, config) -> dict:
+    """A TUNED_GEMM line as JSON (load_entries reads it back)."""
+    kind, rows, K, dtype = key
+    return {"kind": kind, "rows": rows, "K": K, "dtype": str(dtype).removeprefix("torch."), "config": vars(config)}
+
+
+def load_entries(path: str | Path) -> dict:
+    """The TUNED_GEMM lines a kernels.json's whole forwards supported (every model's), for another
+    benchmark to run with: {(kind, rows, K, dtype): GemmConfig}."""
+    o, entries = ops(), {}
+    results = json.loads(Path(path).read_text())
+    for name, part in results.items():
+        if name.startswith("forward_") and isinstance(part, dict):
+            for e in part.get("supported_entries", []):
+                entries[(e["kind"], e["rows"], e["K"], getattr(torch, e["dtype"]))] = o.GemmConfig(**e["config"])
+    return entries
 
 
 def validate_entries(model, swept: dict, shipped: dict, configure, time_left) -> tuple[dict, dict]:
@@ -668,7 +686,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="skip the sweep, the attention tilings and the tuned / no-PDL forwards")
-    ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--skip-8b", action="store_true", help="leave out the 8B shape (not 8b-tp2)")
     ap.add_argument("--tp2", action="store_true", help="also one rank's shapes of the 8B target at TP=2 (8b-tp2)")
     ap.add_argument("--sweep-seconds", type=float, default=100)
     ap.add_argument("--budget", type=float, default=280, help="seconds: the sweep and the optional forwards shrink to fit")
@@ -676,7 +694,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.skip_8b:
         MODELS.pop("8b")
-    if args.skip_8b or not args.tp2:
+    if not args.tp2:
         MODELS.pop("8b-tp2")
     if args.asm:
         asm_report()

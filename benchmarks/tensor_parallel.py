@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernels import entry_record, load_entries  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 from specdec.costs import copy_bandwidth, measure_forward_times, verify_ratios, weight_bytes_per_forward  # noqa: E402
 from specdec.drafters.eagle import GPU_TOTAL_TOKENS, EagleDrafter, EagleTreeConfig  # noqa: E402
@@ -210,6 +212,17 @@ def pair_tau(path: str | None) -> dict:
     return out
 
 
+def use_tuned(path: str | None) -> dict:
+    """Add a kernels.json's supported GEMM tilings to triton_ops.TUNED_GEMM; the entries added."""
+    if path is None:
+        return {}
+    from specdec.models import triton_ops
+
+    entries = load_entries(path)
+    triton_ops.TUNED_GEMM.update(entries)
+    return entries
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -219,11 +232,15 @@ def main() -> int:
     ap.add_argument("--skip-drafters", action="store_true")
     ap.add_argument("--compute-only", action="store_true", help="diagnostic: no communication (wrong outputs), times only")
     ap.add_argument("--kernels", action="store_true", help="profile a graphed one-token forward by kernel")
+    ap.add_argument("--tuned", default=None, help="a benchmarks/kernels.py kernels.json: run with the GEMM tilings its "
+                                                  "whole forwards supported (e.g. --tp2's, for one rank's shapes)")
     args = ap.parse_args()
     shard = join_group(int(os.environ.get("WORLD_SIZE", "1")), "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     config = SHAPES[args.shape]
     t0 = time.perf_counter()
+    tuned = use_tuned(args.tuned)
+    say(shard, f"GEMM tilings from {args.tuned}: " + (", ".join(f"{k[0]} {k[1]}x{k[2]}" for k in tuned) or "none") if args.tuned else "GEMM tilings as shipped")
     if args.compute_only:
         skip_communication(shard)
     model = random_llama(config, "cuda", torch.bfloat16, seed=0, shard=shard)
@@ -244,7 +261,7 @@ def main() -> int:
         "copy_bandwidth_gbs": bandwidth / 1e9, "floor_tokens_per_s": floor, "plain_tokens_per_s": rate,
         "plain_ms_per_token": 1e3 / rate, "fraction_of_floor": rate / floor,
         "forward_ms": {k: t * 1e3 for k, t in times.items()}, "verify_ratio": ratios,
-        "compute_only": args.compute_only,
+        "compute_only": args.compute_only, "tuned_entries": [entry_record(k, v) for k, v in tuned.items()],
     }
     if args.kernels:
         result["kernels"] = profiled = kernel_profile(model, prompt)
