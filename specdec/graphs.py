@@ -10,6 +10,9 @@ static buffers, valid until the next replay.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +24,23 @@ from specdec.models.kernels import counter_lane
 from specdec.models.llama import ModelOutput, aux_args
 
 
-def capturing(graph: torch.cuda.CUDAGraph, pool) -> torch.cuda.graph:
-    """Capture into `graph` (sharing `pool`) on this thread alone. The default mode ("global") lets any
-    thread's synchronising call invalidate the capture, and in the server another thread does make them:
-    StepWatch waits for a step's outcome event while the decode thread may capture a shape it needs
-    for the first time (cudaErrorStreamCaptureInvalidated, seen on an H200)."""
-    return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """Capture into `graph` (sharing `pool`) on this thread alone, with the garbage collector off.
+    - The default mode ("global") lets any thread's synchronising call invalidate the capture, and in the
+      server another thread does make them: StepWatch waits for a step's outcome event while the decode
+      thread may capture a shape it needs for the first time.
+    - A collection during the capture can free an unreachable engine's graphs, and destroying a graph
+      is not permitted while a stream captures: the capture fails (both seen on an H200 as
+      cudaErrorStreamCaptureInvalidated; torch.cuda.graph collects only before it begins)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @dataclass
