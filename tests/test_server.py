@@ -847,6 +847,25 @@ def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
     assert policy.choose(rows) == 1 and policy.moved == "switch"
 
 
+def test_cost_policy_returns_to_plain_as_soon_as_drafting_stops_paying():
+    """Leaving plain decoding needs the margin; returning to it needs none: a drafting gamma measured even
+    2 % slower than plain is left at once, and from plain a gamma 2 % faster is not taken."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    rows = rows_accepting(3, 1)
+    assert policy.choose(rows) == 3 and policy.moved == "switch"
+    alphas = rows.rates(policy.overall.rates(np.full(3, 0.5), 2.0)[0], policy.prior_weight)
+    tokens = batch_expected_tokens(alphas, 3)  # [4]: expected tokens at gamma 0..3
+    for _ in range(STEP_SAMPLES):  # gamma 3: 1.02x plain's seconds a token; gamma 1 and 2 dearer still
+        policy.observe_step_time(1, 0, 1.0)
+        policy.observe_step_time(1, 3, 1.02 * tokens[3])
+        for g in (1, 2):
+            policy.observe_step_time(1, g, 2.0 * tokens[g])
+    assert policy.choose(rows) == 0 and policy.moved == "switch"
+    for _ in range(STEP_SAMPLES):  # now gamma 3 is 2 % faster a token than plain: within the margin
+        policy.observe_step_time(1, 3, tokens[3] / 1.02)
+    assert [policy.choose(rows) for _ in range(8)] == [0] * 8 and policy.moved is None
+
+
 def test_cost_policy_explores_after_a_run_of_gamma_0():
     """A draft cost that looks prohibitive (a slow first step, say) would keep `cost` at gamma 0 forever;
     after EXPLORE_EVERY steps at 0 one step drafts anyway, so the estimates are measured again."""

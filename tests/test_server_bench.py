@@ -242,6 +242,7 @@ def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--max-tokens", "128-64"], "expected N or LOW-HIGH with 1 <= LOW <= HIGH, got '128-64'"),
     (["--max-tokens", "0"], "expected N or LOW-HIGH"),
+    (["--requests-per-client", "0"], "--requests and --requests-per-client must be >= 1"),
 ])
 def test_bench_serve_argument_errors_are_one_line(capsys, argv, message):
     from specdec.cli import main
@@ -257,4 +258,6 @@ def test_bench_serve_defaults_reach_concurrency_64():
     args = build_parser().parse_args(["bench-serve"])
     assert max(args.concurrency) == 64 and args.max_batch is None  # None: the server's batch = the largest concurrency
     assert args.requests is None and LoadPlan((1, 64), ("off",), None, 8, (), 2).requests_at(1) == 32  # max(32, 8c)
+    assert LoadPlan((1, 64), ("off",), None, 8, (), 2, per_client=args.requests_per_client).requests_at(16) == 128
+    assert LoadPlan((1, 64), ("off",), None, 8, (), 2, per_client=32).requests_at(16) == 512
     assert args.temperature is None and not args.sampling_mix and args.disconnect_fraction == 0.0

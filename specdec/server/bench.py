@@ -188,7 +188,7 @@ class LevelResult:
 class LoadPlan:
     concurrency: tuple[int, ...]
     policies: tuple[str, ...]
-    requests: int | None  # per level; None: max(32, 8 x concurrency) (LEVEL_REQUESTS)
+    requests: int | None  # per level; None: max(32, per_client x concurrency) (LEVEL_REQUESTS)
     max_tokens: int
     sampling: tuple[SamplingSet, ...]  # taken in turn (plan_request)
     threshold: int
@@ -197,9 +197,10 @@ class LoadPlan:
     client_processes: int | None = None  # processes sharing a level's streams; None: client_processes()
     repeats: int = 1  # passes over every policy x concurrency, interleaved, so drift hits every policy alike
     max_tokens_low: int | None = None  # each request's max_tokens spread over [low, max_tokens] (plan_request)
+    per_client: int = LEVEL_REQUESTS[1]  # requests per client of a level, when `requests` is None
 
     def requests_at(self, concurrency: int) -> int:
-        return self.requests or max(LEVEL_REQUESTS[0], LEVEL_REQUESTS[1] * concurrency)
+        return self.requests or max(LEVEL_REQUESTS[0], self.per_client * concurrency)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,11 @@ def add_server_commands(sub) -> None:
     b.add_argument("--limit", type=int, default=100, help="first N prompts of the task set")
     b.add_argument("--concurrency", type=csv(int), default=(1, 2, 4, 8, 16, 32, 64), help="comma-separated client counts")
     b.add_argument("--policies", type=csv(str), default=("off", "on", "batch-threshold", "cost"), help="comma-separated policies")
-    b.add_argument("--requests", type=int, default=None, help="requests per level (default: max(32, 8 x concurrency))")
+    b.add_argument("--requests", type=int, default=None,
+                   help="requests per level (default: max(32, REQUESTS_PER_CLIENT x concurrency))")
+    b.add_argument("--requests-per-client", type=int, default=8,
+                   help="requests per client of a level when --requests is not given (default 8: a level of 16 clients "
+                        "on an H200 then lasts about a second; more gives steadier figures)")
     b.add_argument("--max-tokens", default="128",
                    help="max_tokens of every request, or LOW-HIGH: spread evenly over that range (the same lengths for "
                         "every policy), so closed-loop clients do not stay in lockstep")
@@ -247,8 +251,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError("--policies needs at least one of off, on, batch-threshold, cost")
     for policy in args.policies:
         check_policy(policy, DEFAULT_GAMMA if args.gamma is None else args.gamma, args.spec_threshold)
-    if args.requests is not None and args.requests < 1:
-        raise UserError("--requests must be >= 1")
+    if args.requests is not None and args.requests < 1 or args.requests_per_client < 1:
+        raise UserError("--requests and --requests-per-client must be >= 1")
     if args.sampling_mix and args.temperature is not None:
         raise UserError("--sampling-mix sets each request's temperature: leave out --temperature")
     if args.temperature is not None and args.temperature < 0:
@@ -264,7 +268,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     low, high = token_range(args.max_tokens)
     plan = LoadPlan(tuple(args.concurrency), tuple(args.policies), args.requests, high, sampling,
                     args.spec_threshold, args.disconnect_fraction, warmup=not args.no_warmup,
-                    client_processes=args.client_processes, repeats=args.repeats, max_tokens_low=low if low < high else None)
+                    client_processes=args.client_processes, repeats=args.repeats, max_tokens_low=low if low < high else None,
+                    per_client=args.requests_per_client)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
