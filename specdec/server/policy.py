@@ -67,7 +67,7 @@ EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed no
 # Between gammas within the margin, staying costs at most the margin, as estimated. Plain decoding (gamma
 # 0) is taken back without a margin: drafting has to keep paying. With the margin both ways, a 2-core CPU
 # with EAGLE at 16 clients stayed at gamma 1, 3.5 % slower there than gamma 0 (step medians 130.9 and
-# 74.3 ms at acceptance 0.70), for 178-335 of ~650-800 steps a level once noise had moved it there.
+# 74.3 ms at acceptance 0.70), for 178-335 of ~570-680 steps a level once noise had moved it there.
 SWITCH_MARGIN = 0.05
 
 
