@@ -24,6 +24,7 @@ Rank 0 writes DIR/tp<N>-<shape>.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu import LLAMA3_8B  # noqa: E402
 from kernels import entry_record, load_entries  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 from specdec.costs import copy_bandwidth, measure_forward_times, verify_ratios, weight_bytes_per_forward  # noqa: E402
@@ -46,15 +48,9 @@ from specdec.models.eagle import EagleConfig, EagleHead  # noqa: E402
 from specdec.models.llama import ModelConfig, random_llama  # noqa: E402
 from specdec.models.tensor_parallel import join_group  # noqa: E402
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-SHAPES = {
-    "8b": ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),
-    "70b": ModelConfig(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
-                       num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                       rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),
+SHAPES = {  # Llama-3-8B and Llama-3-70B
+    "8b": LLAMA3_8B,
+    "70b": dataclasses.replace(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
 }
 GAMMA = 3
 
@@ -240,7 +236,8 @@ def main() -> int:
     config = SHAPES[args.shape]
     t0 = time.perf_counter()
     tuned = use_tuned(args.tuned)
-    say(shard, f"GEMM tilings from {args.tuned}: " + (", ".join(f"{k[0]} {k[1]}x{k[2]}" for k in tuned) or "none") if args.tuned else "GEMM tilings as shipped")
+    if args.tuned:
+        say(shard, f"GEMM tilings from {args.tuned}: " + (", ".join(f"{k[0]} {k[1]}x{k[2]}" for k in tuned) or "none"))
     if args.compute_only:
         skip_communication(shard)
     model = random_llama(config, "cuda", torch.bfloat16, seed=0, shard=shard)
