@@ -11,6 +11,7 @@ static buffers, valid until the next replay.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,14 +34,30 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
     - A collection during the capture can free an unreachable engine's graphs, and destroying a graph
       is not permitted while a stream captures: the capture fails (both seen on an H200 as
       cudaErrorStreamCaptureInvalidated; torch.cuda.graph collects only before it begins)."""
-    collecting = gc.isenabled()
-    gc.disable()
+    with collection_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        yield
+
+
+_paused = {"depth": 0, "was_enabled": False}  # collection_paused's state, shared by every thread
+_paused_lock = threading.Lock()
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """The garbage collector off until the last of the overlapping pauses (any threads) ends; then as it was
+    before the first. A per-call save and restore would turn it back on under another thread's capture."""
+    with _paused_lock:
+        if _paused["depth"] == 0:
+            _paused["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _paused["depth"] += 1
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            yield
+        yield
     finally:
-        if collecting:
-            gc.enable()
+        with _paused_lock:
+            _paused["depth"] -= 1
+            if _paused["depth"] == 0 and _paused["was_enabled"]:
+                gc.enable()
 
 
 @dataclass
