@@ -4,6 +4,7 @@ is tested in test_server_bench.py)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import subprocess
@@ -796,6 +797,30 @@ def test_metrics_counters_move(server):
     first = f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="0"}}'
     assert first in after and moved(first) == moved('specdec_accepted_per_position_total{position="1"}')
 
+
+
+def test_garbage_collections_are_counted_by_generation(server):
+    """A collection stops every thread of the serving process, the decode loop's too: /metrics counts them."""
+    url, _ = server
+    before = metrics(url)
+    gc.collect(1)  # the server runs in this process
+    after = metrics(url)
+    for name in ("collections", "seconds"):
+        key = f'specdec_gc_{name}_total{{generation="1"}}'
+        assert after[key] > before[key], name
+
+
+def test_a_serving_process_freezes_its_heap_after_the_first_captures(model):
+    """`specdec serve` (config.freeze_heap) moves what start-up built out of the collector's reach; a test's
+    scheduler does not (frozen garbage in a cycle is never freed)."""
+    for freeze in (False, True):
+        scheduler = Scheduler(model, build_drafter("none", model), Codec(model.tokenizer), SpecPolicy("off", gamma=1),
+                              SchedulerConfig(max_batch=2, context=256, freeze_heap=freeze))
+        try:
+            with serving(scheduler):
+                assert (gc.get_freeze_count() > 0) == freeze
+        finally:
+            gc.unfreeze()
 
 # ---- speculation policies --------------------------------------------------------------------
 

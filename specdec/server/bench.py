@@ -166,6 +166,7 @@ class LevelResult:
     cost_moves: dict[str, int] = field(default_factory=dict)  # `cost`'s switches and probes over the level
     prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
     decode_shares: dict[str, float] = field(default_factory=dict)  # its decode thread's time by part (decode_shares)
+    gc_seconds: dict[str, float] = field(default_factory=dict)  # its garbage collections' seconds over the level, by generation
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
     gpu_allocated_growth_mib: float | None = None
@@ -442,6 +443,12 @@ class Counts:
             self.next.value = i + 1
             return i
 
+    def stop(self) -> int:
+        """No more requests are taken; how many were."""
+        with self.next.get_lock():
+            taken, self.next.value = self.next.value, 2**31 - 1  # above any level's n (a C int)
+            return taken
+
     def add(self, counter) -> None:
         with counter.get_lock():
             counter.value += 1
@@ -531,6 +538,7 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         cost_moves=counter_deltas(start, end, "specdec_cost_moves_total", "kind"),
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         decode_shares=decode_shares(start, end),
+        gc_seconds=counter_deltas(start, end, "specdec_gc_seconds_total", "generation", float),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
         gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
@@ -844,8 +852,11 @@ def cost_lines(levels: list[LevelResult]) -> list[str]:
 
 
 def decode_lines(levels: list[LevelResult]) -> list[str]:
-    """Per level: the shares of the server's decode thread's time (decode_shares)."""
+    """Per level: the shares of the server's decode thread's time (decode_shares), and the seconds its
+    process spent collecting garbage (every thread stops meanwhile), by generation, as a share of the wall."""
     return [f"- {level_name(lv)}: " + ", ".join(f"{part} {100 * share:.0f} %" for part, share in lv.decode_shares.items())
+            + ("; garbage collection " + ", ".join(f"gen {g} {100 * s / lv.wall_s:.1f} %" for g, s in lv.gc_seconds.items())
+               if lv.gc_seconds and lv.wall_s > 0 else "")
             for lv in levels if lv.decode_shares]
 
 

@@ -111,6 +111,11 @@ def add_server_commands(sub) -> None:
     b.add_argument("--repeats", type=int, default=1,
                    help="passes over every policy and concurrency, interleaved; targets use the medians; the report is "
                         "written after each pass (default 1)")
+    b.add_argument("--switchback", type=float, default=None, metavar="SECONDS",
+                   help="compare the policies in turns of SECONDS within one continuous load per concurrency (--repeats "
+                        "rounds, the order reversed every other round) instead of in levels one after another: drift "
+                        "in the machine's speed cancels in the ratios, which come with a 95 %% bootstrap interval; "
+                        "measures throughput only (no TTFT)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--client-processes", type=int, default=None,
                    help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
@@ -189,7 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
         costs = measure_batch_costs(target, *cost_grid(args.max_batch, widths))
     policy = SpecPolicy(args.spec_policy, gamma, args.spec_threshold, costs, widths=widths)
     config = SchedulerConfig(max_batch=args.max_batch, max_queue=args.max_queue, context=context,
-                             prefill_chunk=args.prefill_chunk or default_prefill_chunk(target.norm.weight.device))
+                             prefill_chunk=args.prefill_chunk or default_prefill_chunk(target.norm.weight.device),
+                             freeze_heap=True)
     ops = partial(MirroredOps, shard) if shard.parallel else BatchOps  # under TP, rank 0 decides, the others follow
     scheduler = Scheduler(target, drafter, Codec(target.tokenizer), policy, config, ops=ops)
     if shard.rank > 0:
@@ -261,6 +267,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--disconnect-fraction must be in [0, 1), got {args.disconnect_fraction}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.switchback is not None and not args.switchback > 0:
+        raise UserError(f"--switchback must be a positive number of seconds, got {args.switchback}")
+    if args.switchback is not None and args.disconnect_fraction:
+        raise UserError("--switchback measures throughput only: leave out --disconnect-fraction")
     if args.client_processes is not None and args.client_processes < 1:
         raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
     prompts = prompts_for(args.task, args.limit)
@@ -284,20 +294,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     def save_pass(health: dict, levels: list) -> None:  # a run stopped later keeps the passes it finished
         write_report(out, config_of(health), hardware(health), levels)
 
+    if args.switchback is not None:
+        return run_switchback_load(args, plan, prompts, config_of)
     if args.url:
         health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan, after_pass=save_pass)
     else:
-        server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels, "--gguf", args.gguf,
-                       *drafter_argv(args), *(["--gamma", str(args.gamma)] if args.gamma is not None else []), "--spec-policy", args.policies[0],
-                       "--spec-threshold", str(args.spec_threshold),
-                       "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
-                       "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "info", "--tp", str(args.tp)]
-        if args.threads:
-            server_args += ["--threads", str(args.threads)]
-        if args.prefill_chunk:
-            server_args += ["--prefill-chunk", str(args.prefill_chunk)]
         print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
-        with local_server(server_args, out / "server.log", args.startup_timeout) as (url, key):
+        with local_server(local_server_args(args), out / "server.log", args.startup_timeout) as (url, key):
             health, levels = run_load(url, key, prompts, plan, after_pass=save_pass)
     files = write_report(out, config_of(health), hardware(health), levels)
     lost = sum(lv.lost for lv in levels)
@@ -312,3 +315,40 @@ def run_bench_serve(args: argparse.Namespace) -> int:
               f"{sum(lv.disconnected for lv in levels)} disconnected, {lost} lost or malformed; "
               f"wrote {', '.join(map(str, files))}")
     return 1 if lost or not all(lv.rows_freed for lv in levels) else 0
+
+
+def local_server_args(args: argparse.Namespace) -> list[str]:
+    """`specdec serve`'s arguments for the server bench-serve starts itself."""
+    server_args = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--kernels", args.kernels,
+                   "--gguf", args.gguf, *drafter_argv(args), *(["--gamma", str(args.gamma)] if args.gamma is not None else []),
+                   "--spec-policy", args.policies[0], "--spec-threshold", str(args.spec_threshold),
+                   "--max-batch", str(args.max_batch or max(args.concurrency)), "--context", str(args.context),
+                   "--max-queue", str(max(256, 2 * max(args.concurrency))), "--log-level", "info", "--tp", str(args.tp)]
+    if args.threads:
+        server_args += ["--threads", str(args.threads)]
+    if args.prefill_chunk:
+        server_args += ["--prefill-chunk", str(args.prefill_chunk)]
+    return server_args
+
+
+def run_switchback_load(args: argparse.Namespace, plan, prompts: list[str], config_of) -> int:
+    """bench-serve --switchback: the policies in turns within one load per concurrency (server/switchback.py)."""
+    from specdec.server.bench import format_checks, hardware, local_server
+    from specdec.server.switchback import (check_switchbacks, format_comparisons, request_line, run_switchbacks,
+                                           write_switchback_report)
+
+    out = Path(args.out)
+    if args.url:
+        health, loads = run_switchbacks(args.url.rstrip("/"), args.api_key, prompts, plan, args.switchback)
+    else:
+        print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
+        with local_server(local_server_args(args), out / "server.log", args.startup_timeout) as (url, key):
+            health, loads = run_switchbacks(url, key, prompts, plan, args.switchback)
+    files = write_switchback_report(out, config_of(health), hardware(health), loads, args.switchback)
+    if args.json:
+        print(files[0].read_text())
+    else:
+        print(format_comparisons(loads))
+        print("\nTargets (issue 13, over every round):", *format_checks(check_switchbacks(loads)), sep="\n")
+        print(f"\n{request_line(loads)}; wrote {', '.join(map(str, files))}")
+    return 1 if any(load.lost or not load.rows_freed for load in loads) else 0

@@ -13,6 +13,10 @@ built for vLLM work unchanged: `vllm:spec_decode_num_drafts_total` (row-steps th
 `..._num_accepted_tokens_per_pos_total{position="0"}` (0-based, as vLLM counts), each with a
 `model_name` label.
 
+The garbage collector's pauses in the serving process (`specdec_gc_seconds_total` and
+`specdec_gc_collections_total`, by `generation`): a full collection stops every thread, the decode loop
+included, and how often one runs depends on what the loop allocates.
+
 Memory, read at scrape time: `process_resident_memory_bytes` (Linux) and, once the process uses CUDA,
 `specdec_cuda_memory_allocated_bytes` and `specdec_cuda_memory_reserved_bytes` (torch's caching
 allocator) with a `device` label per device holding memory; absent on the CPU.
@@ -20,6 +24,7 @@ allocator) with a `device` label per device holding memory; absent on the CPU.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -34,6 +39,44 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 RATE_WINDOW_S = 10.0
 REQUEST_STATUSES = ("finished", "cancelled", "failed", "rejected")
 DECODE_PARTS = ("idle", "prefill", "wait", "host")  # what the decode thread's time goes to (Scheduler.loop)
+
+
+class GcPauses:
+    """The garbage collector's collections and their seconds in this process, by generation (gc.callbacks).
+    One per process (`gc_pauses`): a collection stops every thread whichever one triggered it."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self.began: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        elif self.began is not None:
+            self.seconds[info["generation"]] += time.perf_counter() - self.began
+            self.collections[info["generation"]] += 1
+            self.began = None
+
+    def render(self) -> list[str]:
+        return ["# HELP specdec_gc_seconds_total Seconds this process spent in garbage collections, by generation.",
+                "# TYPE specdec_gc_seconds_total counter",
+                *(f'specdec_gc_seconds_total{{generation="{g}"}} {s:.6f}' for g, s in enumerate(self.seconds)),
+                "# HELP specdec_gc_collections_total Garbage collections in this process, by generation.",
+                "# TYPE specdec_gc_collections_total counter",
+                *(f'specdec_gc_collections_total{{generation="{g}"}} {n}' for g, n in enumerate(self.collections))]
+
+
+_gc_pauses: GcPauses | None = None
+
+
+def gc_pauses() -> GcPauses:
+    """This process's GcPauses, registered with the collector at the first call."""
+    global _gc_pauses
+    if _gc_pauses is None:
+        _gc_pauses = GcPauses()
+        gc.callbacks.append(_gc_pauses)
+    return _gc_pauses
 
 
 @dataclass
@@ -83,6 +126,7 @@ class ServerMetrics:
         self.batch_size = Histogram(BATCH_BUCKETS)
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens emitted) for tokens/s
         self.started = time.monotonic()
+        self.gc = gc_pauses()
 
     def count_request(self, status: str) -> None:
         with self.lock:
@@ -222,6 +266,7 @@ class ServerMetrics:
                 *self.latency.render("specdec_request_latency_seconds", "Arrival to last token of finished requests."),
                 *self.batch_size.render("specdec_batch_size", "Rows in the batch at each step."),
                 *self.render_vllm(model_name),
+                *self.gc.render(),
             ]
         rss = resident_memory_bytes()
         if rss is not None:

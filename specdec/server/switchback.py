@@ -1,0 +1,273 @@
+"""`specdec bench-serve --switchback SECONDS`: the policies compared in turns within one continuous load.
+
+Levels run one after another compare each policy with the machine as it was during its own level. On a
+shared 2-core VM a level's wall varied by up to 12 % from one level to the next for identical work (the
+same steps, tokens and prefills), so a median of four level ratios could not tell 1.00 from 0.97. Here,
+at each concurrency, the clients keep the server loaded without a pause while the policies take turns of
+SECONDS each, switched through /admin/spec-policy. Round r runs every policy once, in the given order in
+even rounds and reversed in odd ones (bench.policy_order), so that a drift within a round favours no
+policy. Drift slower than a round cancels in the ratios.
+
+A turn's throughput: the tokens the server emitted during it (specdec_generation_tokens_total, read from
+/metrics right after the switch and at the turn's end) over its seconds. The step in flight at a switch
+counts in the turn it ends in. The first SECONDS after the clients start (the load ramping up) are not
+timed. Per policy and concurrency: its tokens over its seconds; against a baseline (`off`, and for
+`cost` also `on`), the ratio of those, the median of the rounds' own ratios, and a 95 % bootstrap interval
+over rounds (BOOTSTRAP_RESAMPLES resamples of the rounds, seeded).
+
+Not measured here: TTFT and request latencies (a request spans turns); plain bench-serve levels measure
+them. Carried over a switch: a drafter's state (EAGLE catches up on the tokens a plain turn emitted when
+drafting resumes, which `cost` pays too when it resumes drafting on its own), and what `cost` learned
+(Scheduler.switch_policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from specdec.server.bench import (COST_VS_BEST_TARGET, COST_VS_OFF_TARGET, Counts, LoadPlan, RequestResult,
+                                  TargetCheck, busy_requests, client_processes, drive, fmt, format_checks, http_client,
+                                  markdown_table, one_request, plan_request, policy_order, scrape, server_info,
+                                  start_clients, steps_by_gamma, switch_policy, wait_for, wait_for_idle)
+
+BOOTSTRAP_RESAMPLES = 2000
+UNBOUNDED = 1 << 30  # requests a load may take: the clients send until the turns are over
+GENERATED = "specdec_generation_tokens_total"
+
+
+@dataclass
+class Turn:
+    policy: str
+    concurrency: int
+    round: int
+    start_s: float  # since the load's clients started
+    seconds: float
+    tokens: int  # emitted by the server during the turn
+    steps_by_gamma: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Load:
+    """One concurrency's continuous load: its turns, and what became of the requests sent meanwhile."""
+
+    concurrency: int
+    turns: list[Turn]
+    requests: int
+    ok: int
+    disconnected: int
+    rows_freed: bool  # after the load: no request running or waiting on the server
+    errors: list[str] = field(default_factory=list)  # the first few
+
+    @property
+    def lost(self) -> int:
+        return self.requests - self.ok - self.disconnected
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A policy's turns against a baseline's at one concurrency."""
+
+    policy: str
+    baseline: str
+    concurrency: int
+    rounds: int
+    ratio: float  # (policy tokens / seconds) / (baseline tokens / seconds), over every round
+    paired: float  # the median of the rounds' own ratios
+    low: float  # 95 % bootstrap interval of `ratio` over rounds
+    high: float
+
+
+async def run_switchback(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, concurrency: int,
+                         seconds: float, progress) -> Load:
+    """Every round's turns at one concurrency, under one continuous load (module docstring)."""
+    async with http_client(url, headers, concurrency) as client:
+        for policy in plan.policies:  # an untimed wave under each: the bucket's graphs for every policy's gammas
+            await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
+            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None))
+                                   for i in range(concurrency)))
+        await wait_for_idle(client)
+        procs = client_processes(concurrency, plan.client_processes)
+        counts = Counts(mp.get_context("spawn"))
+        if procs == 1:
+            drivers = asyncio.gather(drive(client, model, prompts, plan, UNBOUNDED, concurrency, counts))
+        else:
+            started = start_clients(url, headers, model, prompts, plan, UNBOUNDED, concurrency, procs, counts)
+            while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
+                await asyncio.sleep(0.02)
+            counts.go.set()
+            drivers = asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started))
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)  # the load ramps up
+        turns = []
+        for r in range(plan.repeats):
+            for policy in policy_order(plan.policies, r):
+                await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
+                before, start = await scrape(client), time.monotonic()
+                await asyncio.sleep(seconds)
+                after, end = await scrape(client), time.monotonic()
+                turns.append(Turn(policy, concurrency, r, start - t0, end - start, int(after[GENERATED] - before[GENERATED]),
+                                  steps_by_gamma(before, after)))
+                progress.update(1)
+        sent = counts.stop()
+        results: list[RequestResult] = [r for _, part in await drivers for r in part]
+        results += [RequestResult("failed", "-", "its client process ended without results")] * (sent - len(results))
+        running, waiting = busy_requests(await wait_for_idle(client))
+    good = sum(r.outcome == "ok" for r in results)
+    return Load(concurrency, turns, len(results), good, sum(r.outcome == "disconnected" for r in results),
+                running == 0 and waiting == 0, [f"[{r.sampling}] {r.error}" for r in results if r.outcome == "failed"][:5])
+
+
+def run_switchbacks(url: str, key: str | None, prompts: list[str], plan: LoadPlan, seconds: float) -> tuple[dict, list[Load]]:
+    """A continuous load per concurrency against the server at url; (server /health, loads)."""
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model, health = server_info(url, headers)
+    if plan.client_processes is None and not str(health.get("device", "")).startswith("cuda"):
+        plan = replace(plan, client_processes=1)  # as run_load: a CPU server sends far less than one process parses
+    loads = []
+    with tqdm(total=len(plan.concurrency) * plan.repeats * len(plan.policies), unit="turn", desc="bench-serve") as progress:
+        for c in plan.concurrency:
+            progress.set_postfix_str(f"c={c}")
+            loads.append(asyncio.run(run_switchback(url, headers, model, prompts, plan, c, seconds, progress)))
+    return health, loads
+
+
+def compare(turns: list[Turn], policy: str, baseline: str, concurrency: int, seed: int = 0) -> Comparison | None:
+    """`policy` against `baseline` over the rounds where both ran at this concurrency."""
+    by_round: dict[int, dict[str, Turn]] = {}
+    for t in turns:
+        if t.concurrency == concurrency:
+            by_round.setdefault(t.round, {})[t.policy] = t
+    pairs = [(r[policy], r[baseline]) for r in by_round.values() if policy in r and baseline in r and r[baseline].tokens]
+    if not pairs:
+        return None
+    x = np.array([[a.tokens, a.seconds, b.tokens, b.seconds] for a, b in pairs], dtype=float)  # [rounds, 4]
+
+    def ratio(rows: np.ndarray) -> np.ndarray:  # rows [..., rounds, 4] -> [...]
+        s = rows.sum(axis=-2)
+        return (s[..., 0] / s[..., 1]) / (s[..., 2] / s[..., 3])
+
+    picks = np.random.default_rng(seed).integers(0, len(x), (BOOTSTRAP_RESAMPLES, len(x)))  # [resamples, rounds]
+    low, high = np.percentile(ratio(x[picks]), [2.5, 97.5])
+    paired = float(np.median(x[:, 0] / x[:, 1] / (x[:, 2] / x[:, 3])))
+    return Comparison(policy, baseline, concurrency, len(x), float(ratio(x)), paired, float(low), float(high))
+
+
+def comparisons(loads: list[Load]) -> list[Comparison]:
+    """Every policy against `off`, and `cost` against `on` too, per concurrency (where they ran)."""
+    out = []
+    for load in loads:
+        policies = list(dict.fromkeys(t.policy for t in load.turns))
+        pairs = [(p, "off") for p in policies if p != "off"] + ([("cost", "on")] if {"cost", "on"} <= set(policies) else [])
+        out += [c for p, b in pairs if (c := compare(load.turns, p, b, load.concurrency)) is not None]
+    return out
+
+
+def check_switchbacks(loads: list[Load]) -> list[TargetCheck]:
+    """Issue 13's `cost` targets on the turns' ratios (over every round), and no request lost or left running."""
+    found = {(c.policy, c.baseline, c.concurrency): c for c in comparisons(loads)}
+    checks = []
+    for load in loads:
+        c = load.concurrency
+        off = found.get(("cost", "off", c))
+        if off is None:
+            continue
+        checks.append(TargetCheck(f"cost / off at c={c}", off.ratio, f">= {COST_VS_OFF_TARGET:.2f}", off.ratio >= COST_VS_OFF_TARGET))
+        on = found.get(("cost", "on", c))
+        if on is not None:
+            best = min(off.ratio, on.ratio)  # cost / max(off, on)
+            checks.append(TargetCheck(f"cost / max(off, on) at c={c}", best, f">= {COST_VS_BEST_TARGET:.2f}",
+                                      best >= COST_VS_BEST_TARGET))
+    lost = sum(load.lost for load in loads)
+    busy = sum(not load.rows_freed for load in loads)
+    return checks + [TargetCheck(f"requests lost or malformed, of {sum(load.requests for load in loads)}", lost, "= 0", lost == 0),
+                     TargetCheck(f"loads leaving requests running or waiting, of {len(loads)}", busy, "= 0", busy == 0)]
+
+
+def format_comparisons(loads: list[Load]) -> str:
+    """Per concurrency and policy: tokens/s over its turns, and its ratios against the baselines."""
+    rows = []
+    found = comparisons(loads)
+    for load in loads:
+        for policy in dict.fromkeys(t.policy for t in load.turns):
+            mine = [t for t in load.turns if t.policy == policy]
+            steps: dict[int, int] = {}
+            for t in mine:
+                for g, n in t.steps_by_gamma.items():
+                    steps[g] = steps.get(g, 0) + n
+            rate = sum(t.tokens for t in mine) / sum(t.seconds for t in mine)
+            against = [c for c in found if (c.policy, c.concurrency) == (policy, load.concurrency)]
+            rows.append([str(load.concurrency), policy, str(len(mine)), fmt(rate),
+                         "; ".join(f"{c.ratio:.3f} (paired {c.paired:.3f}, 95 % {c.low:.3f}-{c.high:.3f}) vs {c.baseline}"
+                                   for c in against) or "-",
+                         ", ".join(f"{g}: {n}" for g, n in sorted(steps.items())) or "-"])
+    return markdown_table(["concurrency", "policy", "turns", "tokens/s", "ratio to baseline", "steps by gamma"], rows)
+
+
+def request_line(loads: list[Load]) -> str:
+    return (f"{sum(load.requests for load in loads)} requests: {sum(load.ok for load in loads)} ok, "
+            f"{sum(load.disconnected for load in loads)} disconnected, {sum(load.lost for load in loads)} lost or malformed")
+
+
+def write_switchback_report(out: Path, config: dict, hw: dict, loads: list[Load], seconds: float) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    checks = check_switchbacks(loads)
+    results = {"config": {**config, "switchback_s": seconds}, "hardware": hw,
+               "loads": [{**asdict(load), "lost": load.lost} for load in loads],
+               "comparisons": [asdict(c) for c in comparisons(loads)], "targets": [asdict(c) for c in checks]}
+    paths = [out / "results.json", out / "report.md"]
+    paths[0].write_text(json.dumps(results, indent=2))
+    plot = plot_turns(loads, out / "turns.png")
+    md = ["# specdec bench-serve, policies in turns", "",
+          f"Server device: {hw['server_device']}; client CPU: {hw['cpu']} ({hw['cpu_cores']} cores); torch {hw['torch']}.",
+          f"Model {config['model']}, drafter {config['drafter']}, gamma {config['gamma']}, max_tokens {config['max_tokens']}, "
+          f"task {config['task']}.", "",
+          f"At each concurrency the clients kept the server loaded while the policies took turns of {seconds:g} s, "
+          f"{config['repeats']} rounds, each round in the given order or reversed (alternately). A turn's throughput is "
+          "the tokens the server emitted during it over its seconds. Ratios: over every round (tokens over seconds), the "
+          "median of the rounds' own ratios (paired), and a 95 % bootstrap interval over rounds.", "",
+          format_comparisons(loads), "", "## Targets (issue 13), from the turns", "", *format_checks(checks), "",
+          "## Requests", "", request_line(loads) + ".",
+          *[f"- c={load.concurrency}: {e}" for load in loads for e in load.errors], ""]
+    if plot is not None:
+        md += [f"![tokens/s of each turn]({plot.name})", ""]
+        paths.append(plot)
+    paths[1].write_text("\n".join(md))
+    return paths
+
+
+def plot_turns(loads: list[Load], path: Path) -> Path | None:
+    """Each turn's tokens/s against its start, per concurrency (a panel each), coloured by policy: drift shows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(loads), 1, figsize=(7, 2.4 * len(loads)), squeeze=False)
+    for ax, load in zip(axes[:, 0], loads):
+        for policy in dict.fromkeys(t.policy for t in load.turns):
+            mine = [t for t in load.turns if t.policy == policy]
+            ax.plot([t.start_s for t in mine], [t.tokens_per_s for t in mine], marker="o", ms=3, lw=0.8, label=policy)
+        ax.set_title(f"{load.concurrency} clients", fontsize=9)
+        ax.set_ylabel("tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("seconds since the load started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
