@@ -816,11 +816,13 @@ def test_a_serving_process_freezes_its_heap_after_the_first_captures(model):
     for freeze in (False, True):
         scheduler = Scheduler(model, build_drafter("none", model), Codec(model.tokenizer), SpecPolicy("off", gamma=1),
                               SchedulerConfig(max_batch=2, context=256, freeze_heap=freeze))
+        before = gc.get_freeze_count()  # not 0 everywhere: on an H200 (torch 2.11) something had frozen 375 objects
         try:
             with serving(scheduler):
-                assert (gc.get_freeze_count() > 0) == freeze
+                assert (gc.get_freeze_count() > before) == freeze
         finally:
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
 
 # ---- speculation policies --------------------------------------------------------------------
 
