@@ -367,28 +367,51 @@ async def wait_for_idle(client, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str,
         await asyncio.sleep(0.1)
 
 
+@dataclass
+class Streams:
+    """A level's client streams once started: their future ((end, results) per driver), and /metrics, the
+    monotonic time and the client processes at their start."""
+
+    done: asyncio.Future
+    start: dict[str, float]
+    t0: float
+    processes: int
+
+
+async def warm_wave(client, model: str, prompts: list[str], plan: LoadPlan, concurrency: int) -> None:
+    """One untimed wave of `concurrency` requests (none disconnecting): the batch bucket captures its graphs
+    here, not in timed requests."""
+    await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None))
+                           for i in range(concurrency)))
+
+
+async def start_streams(client, url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, n: int,
+                        concurrency: int, counts: Counts) -> Streams:
+    """Start `concurrency` streams taking requests from `counts` until n are taken, in this process or in
+    client processes (client_processes), which connect first: their imports and connections are not timed
+    (nor the server's idle wait)."""
+    procs = client_processes(concurrency, plan.client_processes)
+    if procs == 1:
+        start, t0 = await scrape(client), time.monotonic()
+        return Streams(asyncio.gather(drive(client, model, prompts, plan, n, concurrency, counts)), start, t0, procs)
+    started = start_clients(url, headers, model, prompts, plan, n, concurrency, procs, counts)
+    while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
+        await asyncio.sleep(0.02)
+    start, t0 = await scrape(client), time.monotonic()
+    counts.go.set()
+    return Streams(asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started)), start, t0, procs)
+
+
 async def run_level(url: str, headers: dict, model: str, prompts: list[str], policy: str, concurrency: int,
                     plan: LoadPlan, progress) -> LevelResult:
     n = plan.requests_at(concurrency)
     async with http_client(url, headers, concurrency) as client:
-        if plan.warmup:  # the level's batch bucket captures its graphs here, not in the timed requests
-            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None))
-                                   for i in range(concurrency)))
+        if plan.warmup:
+            await warm_wave(client, model, prompts, plan, concurrency)
             await wait_for_idle(client)
-        procs = client_processes(concurrency, plan.client_processes)
         counts = Counts(mp.get_context("spawn"))
-        if procs == 1:
-            start = await scrape(client)
-            t0 = time.monotonic()
-            drivers = asyncio.gather(drive(client, model, prompts, plan, n, concurrency, counts))
-        else:
-            started = start_clients(url, headers, model, prompts, plan, n, concurrency, procs, counts)
-            while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
-                await asyncio.sleep(0.02)  # their imports and connections are not timed (nor the server's idle wait)
-            start = await scrape(client)
-            t0 = time.monotonic()
-            counts.go.set()
-            drivers = asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started))
+        streams = await start_streams(client, url, headers, model, prompts, plan, n, concurrency, counts)
+        start, t0, procs, drivers = streams.start, streams.t0, streams.processes, streams.done
         memory = [sample_memory(0, start)]
         seen = 0
         while not drivers.done():  # progress, and memory every MEMORY_EVERY finished requests
@@ -901,20 +924,33 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
            "device), host (launching steps, handing their tokens out).", "", *decode_lines(levels), ""]
           if any(lv.decode_shares for lv in levels) else []),
     ]
+    return finish_report(paths, md, plot, "throughput vs concurrency")
+
+
+def finish_report(paths: list[Path], md: list[str], plot: Path | None, caption: str) -> list[Path]:
+    """Write report.md (paths[1]) with the plot, where there is one, at its end; every file written."""
     if plot is not None:
-        md += [f"![throughput vs concurrency]({plot.name})", ""]
+        md += [f"![{caption}]({plot.name})", ""]
         paths.append(plot)
     paths[1].write_text("\n".join(md))
     return paths
 
 
-def plot_throughput(levels: list[LevelResult], path: Path) -> Path | None:
+def optional_pyplot():
+    """matplotlib's pyplot on the Agg backend, or None without the `report` extra (the plots are skipped)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_throughput(levels: list[LevelResult], path: Path) -> Path | None:
+    plt = optional_pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for policy in dict.fromkeys(lv.policy for lv in levels):

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from specdec.server.bench import (COST_VS_BEST_TARGET, COST_VS_OFF_TARGET, Counts, LoadPlan, RequestResult,
-                                  TargetCheck, busy_requests, client_processes, drive, fmt, format_checks, http_client,
-                                  markdown_table, one_request, plan_request, policy_order, scrape, server_info,
-                                  start_clients, steps_by_gamma, switch_policy, wait_for, wait_for_idle)
+                                  TargetCheck, busy_requests, finish_report, fmt, format_checks, http_client,
+                                  markdown_table, optional_pyplot, policy_order, scrape, server_info,
+                                  start_streams, steps_by_gamma, switch_policy, warm_wave, wait_for_idle)
 
 BOOTSTRAP_RESAMPLES = 2000
 UNBOUNDED = 1 << 30  # requests a load may take: the clients send until the turns are over
@@ -92,22 +92,13 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
                          seconds: float, progress) -> Load:
     """Every round's turns at one concurrency, under one continuous load (module docstring)."""
     async with http_client(url, headers, concurrency) as client:
-        for policy in plan.policies:  # an untimed wave under each: the bucket's graphs for every policy's gammas
+        for policy in plan.policies:  # a wave under each: the bucket's graphs for every policy's gammas
             await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
-            await asyncio.gather(*(one_request(client, model, replace(plan_request(plan, prompts, i), disconnect_after=None))
-                                   for i in range(concurrency)))
+            await warm_wave(client, model, prompts, plan, concurrency)
         await wait_for_idle(client)
-        procs = client_processes(concurrency, plan.client_processes)
         counts = Counts(mp.get_context("spawn"))
-        if procs == 1:
-            drivers = asyncio.gather(drive(client, model, prompts, plan, UNBOUNDED, concurrency, counts))
-        else:
-            started = start_clients(url, headers, model, prompts, plan, UNBOUNDED, concurrency, procs, counts)
-            while counts.ready.value < procs and all(proc.is_alive() for proc, _ in started):
-                await asyncio.sleep(0.02)
-            counts.go.set()
-            drivers = asyncio.gather(*(asyncio.to_thread(wait_for, proc, queue) for proc, queue in started))
-        t0 = time.monotonic()
+        streams = await start_streams(client, url, headers, model, prompts, plan, UNBOUNDED, concurrency, counts)
+        t0 = streams.t0
         await asyncio.sleep(seconds)  # the load ramps up
         turns = []
         for r in range(plan.repeats):
@@ -120,7 +111,7 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
                                   steps_by_gamma(before, after)))
                 progress.update(1)
         sent = counts.stop()
-        results: list[RequestResult] = [r for _, part in await drivers for r in part]
+        results: list[RequestResult] = [r for _, part in await streams.done for r in part]
         results += [RequestResult("failed", "-", "its client process ended without results")] * (sent - len(results))
         running, waiting = busy_requests(await wait_for_idle(client))
     good = sum(r.outcome == "ok" for r in results)
@@ -241,21 +232,13 @@ def write_switchback_report(out: Path, config: dict, hw: dict, loads: list[Load]
           format_comparisons(loads), "", "## Targets (issue 13), from the turns", "", *format_checks(checks), "",
           "## Requests", "", request_line(loads) + ".",
           *[f"- c={load.concurrency}: {e}" for load in loads for e in load.errors], ""]
-    if plot is not None:
-        md += [f"![tokens/s of each turn]({plot.name})", ""]
-        paths.append(plot)
-    paths[1].write_text("\n".join(md))
-    return paths
+    return finish_report(paths, md, plot, "tokens/s of each turn")
 
 
 def plot_turns(loads: list[Load], path: Path) -> Path | None:
     """Each turn's tokens/s against its start, per concurrency (a panel each), coloured by policy: drift shows."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = optional_pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(len(loads), 1, figsize=(7, 2.4 * len(loads)), squeeze=False)
     for ax, load in zip(axes[:, 0], loads):
