@@ -10,8 +10,8 @@ import pytest
 
 from specdec.server.bench import Counts, LoadPlan, fixed_sampling
 from specdec.server.policy import measure_batch_costs
-from specdec.server.switchback import (Load, Turn, check_switchbacks, compare, format_comparisons, run_switchbacks,
-                                       write_switchback_report)
+from specdec.server.switchback import (Load, Turn, check_switchbacks, compare, format_comparisons, measure_turn,
+                                       run_switchbacks, write_switchback_report)
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
 
 
@@ -32,6 +32,7 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
                                                          (2, "off"), (2, "cost")]  # each round's order reversed
     assert all(t.tokens > 0 and 0.35 < t.seconds < 1.5 for t in load.turns)
     assert all(set(t.steps_by_gamma) <= {0} for t in load.turns if t.policy == "off")
+    assert all(0 < t.step_tokens <= t.tokens and 0 < t.step_seconds < t.seconds for t in load.turns)
     assert [t.start_s for t in load.turns] == sorted(t.start_s for t in load.turns) and load.turns[0].start_s >= 0.4
     assert load.requests > 2 and load.ok == load.requests and load.lost == 0 and load.rows_freed  # stopped cleanly
     files = write_switchback_report(tmp_path, {"model": health["model"], "drafter": "ngram", "gamma": 3, "max_tokens": 6,
@@ -40,7 +41,8 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
     assert {f.name for f in files} == {"results.json", "report.md", "turns.png"}
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["switchback_s"] == 0.4 and len(results["loads"][0]["turns"]) == 6
-    assert [c["policy"] for c in results["comparisons"]] == ["cost"] and results["comparisons"][0]["rounds"] == 3
+    assert [(c["policy"], c["measure"]) for c in results["comparisons"]] == [("cost", "throughput"), ("cost", "steps")]
+    assert results["comparisons"][0]["rounds"] == 3
     assert "cost / off at c=2" in (tmp_path / "report.md").read_text()
 
 
@@ -85,3 +87,19 @@ def test_switchback_argument_errors_are_one_line(capsys, argv, message):
     assert main(["bench-serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_turns_step_figures_leave_its_prefills_out():
+    """A turn's steps' tokens are its tokens less one first token per request that started; their seconds,
+    the decode thread's host and waiting time. Two turns alike but for a prefill more: equal by steps."""
+    def metrics(tokens, firsts, host, wait, prefill):
+        return {"specdec_generation_tokens_total": tokens, "specdec_time_to_first_token_seconds_count": firsts,
+                **{f'specdec_decode_thread_seconds_total{{part="{k}"}}': v
+                   for k, v in (("host", host), ("wait", wait), ("prefill", prefill), ("idle", 0.0))}}
+
+    zero = metrics(0, 0, 0.0, 0.0, 0.0)
+    off = measure_turn("off", 4, 0, 0.0, 2.0, zero, metrics(201, 1, 1.5, 0.5, 0.0))
+    cost = measure_turn("cost", 4, 0, 2.0, 2.0, zero, metrics(152, 2, 1.0, 0.5, 0.5))  # a prefill took 0.5 s
+    assert (off.step_tokens, off.step_seconds) == (200, 2.0) and (cost.step_tokens, cost.step_seconds) == (150, 1.5)
+    assert compare([off, cost], "cost", "off", 4).ratio == pytest.approx(152 / 201)
+    assert compare([off, cost], "cost", "off", 4, "steps").ratio == pytest.approx(1.0)
