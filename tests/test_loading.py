@@ -251,3 +251,34 @@ def test_a_cache_folder_written_twice_at_once_keeps_the_first(tmp_path):
     (blocked / "partial").write_text("x")
     with pytest.raises(OSError):
         publish_folder(stray, blocked)
+
+
+def test_copies_of_one_gguf_share_a_cache_key_and_a_rewrite_gets_a_new_one(tmp_path, monkeypatch):
+    """The dequantised folder is named by the file's content: a fresh clone's copy of the embedded model (a
+    new path and mtime) reuses it, where a key of size and mtime added a ~480 MB copy per clone. The digest
+    is hashed once per path, size and mtime, then read from digests.json; other bytes of the same size, a
+    new key."""
+    import os
+
+    import specdec.models.loading as loading
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    one, two = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path, mtime in ((one, 1_000_000), (two, 2_000_000)):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes(range(256)) * 5000)
+        os.utime(path, (mtime, mtime))
+    assert loading.content_digest(one) == loading.content_digest(two)
+    hashed = []
+    real = loading.hashlib.sha256
+    monkeypatch.setattr(loading.hashlib, "sha256", lambda: hashed.append(1) or real())
+    assert loading.content_digest(one) == loading.content_digest(two) and not hashed  # remembered
+    before = loading.content_digest(two)
+    two.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 5000)  # same size, other bytes
+    os.utime(two, (3_000_000, 3_000_000))
+    assert loading.content_digest(two) != before and hashed == [1]
+    assert len(json.loads((tmp_path / "cache" / "digests.json").read_text())) == 3
+    one.unlink()
+    two.write_bytes(b"GGUF")
+    loading.content_digest(two)
+    assert len(json.loads((tmp_path / "cache" / "digests.json").read_text())) == 3  # `one` forgotten, `two` thrice

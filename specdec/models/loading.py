@@ -12,6 +12,7 @@ and tokenizer from the same cached folder.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -167,8 +168,7 @@ def download_from_hub(repo_id: str) -> Path:
 def gguf_folder(path: Path, weights: bool) -> Path:
     """A cached HF folder for a GGUF file: config.json, tokenizer and generation config (seconds, once),
     and with `weights` model.safetensors dequantised to float32 (tens of seconds, once)."""
-    stat = path.stat()
-    folder = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    folder = cache_root() / f"{path.stem}-{content_digest(path)[:16]}"
     try:
         if not (folder / "config.json").exists():
             write_gguf_metadata(path, folder)
@@ -198,6 +198,32 @@ def write_gguf_metadata(path: Path, folder: Path) -> None:
     GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     publish_folder(tmp, folder)
+
+
+def content_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, hashed once per (path, size, mtime) and remembered in the cache's
+    `digests.json`. Copies of one file share one dequantised folder: keyed by size and mtime, every fresh
+    clone's embedded model (a new mtime) added another ~480 MB copy (16 of them on one machine). A file
+    rewritten with other bytes gets a new folder, whatever its size."""
+    stat = path.stat()
+    index_path = cache_root() / "digests.json"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if key not in index:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        index = {k: v for k, v in index.items() if Path(k.split("|")[0]).exists()}  # files since deleted: forgotten
+        index[key] = digest.hexdigest()
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f"{index_path.name}.{os.getpid()}.tmp")  # this process's own; the last to finish wins
+        tmp.write_text(json.dumps(index, indent=0))
+        os.replace(tmp, index_path)
+    return index[key]
 
 
 def publish_folder(tmp: Path, folder: Path) -> None:
