@@ -411,8 +411,8 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
             await wait_for_idle(client)
         counts = Counts(mp.get_context("spawn"))
         streams = await start_streams(client, url, headers, model, prompts, plan, n, concurrency, counts)
-        start, t0, procs, drivers = streams.start, streams.t0, streams.processes, streams.done
-        memory = [sample_memory(0, start)]
+        drivers = streams.done
+        memory = [sample_memory(0, streams.start)]
         seen = 0
         while not drivers.done():  # progress, and memory every MEMORY_EVERY finished requests
             await asyncio.wait({drivers}, timeout=0.05)
@@ -423,12 +423,13 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
             seen = finished
         progress.update(counts.finished.value - seen)
         ends = drivers.result()
-        wall = max(end for end, _ in ends) - t0
+        wall = max(end for end, _ in ends) - streams.t0
         results = [r for _, part in ends for r in part]
         results += [RequestResult("failed", "-", "its client process ended without results")] * (n - len(results))
         end = await wait_for_idle(client)
         memory.append(sample_memory(len(results), end))
-    return replace(summarize(policy, concurrency, results, wall, memory, start, end), client_processes=procs)
+    return replace(summarize(policy, concurrency, results, wall, memory, streams.start, end),
+                   client_processes=streams.processes)
 
 
 
@@ -826,12 +827,13 @@ def check_ttft(levels: list[LevelResult]) -> list[TargetCheck]:
     return checks
 
 
-def check_requests(levels: list[LevelResult]) -> list[TargetCheck]:
-    """No request lost or malformed; every level ends with no request running or waiting."""
+def check_requests(levels: list, noun: str = "levels") -> list[TargetCheck]:
+    """No request lost or malformed; every level (or switchback load: anything with requests, lost and
+    rows_freed) ends with no request running or waiting."""
     lost = sum(lv.lost for lv in levels)
     busy = sum(not lv.rows_freed for lv in levels)
     return [TargetCheck(f"requests lost or malformed, of {sum(lv.requests for lv in levels)}", lost, "= 0", lost == 0),
-            TargetCheck(f"levels leaving requests running or waiting, of {len(levels)}", busy, "= 0", busy == 0)]
+            TargetCheck(f"{noun} leaving requests running or waiting, of {len(levels)}", busy, "= 0", busy == 0)]
 
 
 def format_checks(checks: list[TargetCheck]) -> list[str]:

@@ -40,13 +40,15 @@ from pathlib import Path
 import numpy as np
 
 from specdec.server.bench import (COST_VS_BEST_TARGET, COST_VS_OFF_TARGET, Counts, LoadPlan, RequestResult,
-                                  TargetCheck, busy_requests, finish_report, fmt, format_checks, http_client,
-                                  markdown_table, optional_pyplot, policy_order, scrape, server_info,
-                                  start_streams, steps_by_gamma, switch_policy, warm_wave, wait_for_idle)
+                                  TargetCheck, busy_requests, check_requests, counter_deltas, finish_report, fmt,
+                                  format_checks, http_client, markdown_table, optional_pyplot, policy_order, scrape,
+                                  server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
+                                  wait_for_idle)
 
 BOOTSTRAP_RESAMPLES = 2000
 UNBOUNDED = 1 << 30  # requests a load may take: the clients send until the turns are over
 GENERATED = "specdec_generation_tokens_total"
+FIRSTS = "specdec_time_to_first_token_seconds_count"
 STEP_PARTS = ("host", "wait")  # the decode thread's time on steps (server/metrics.DECODE_PARTS)
 MEASURES = ("throughput", "steps")  # what compare() compares (amounts)
 
@@ -133,12 +135,10 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
 def measure_turn(policy: str, concurrency: int, round: int, start_s: float, seconds: float,
                  before: dict[str, float], after: dict[str, float]) -> Turn:
     """A turn from the server's /metrics at its start and end."""
-    def grown(name: str) -> float:
-        return after[name] - before[name]
-
-    tokens = int(grown(GENERATED))
-    firsts = int(grown("specdec_time_to_first_token_seconds_count"))  # a prompt's first token, one a request
-    on_steps = sum(grown(f'specdec_decode_thread_seconds_total{{part="{part}"}}') for part in STEP_PARTS)
+    tokens = int(after[GENERATED] - before[GENERATED])
+    firsts = int(after[FIRSTS] - before[FIRSTS])  # a prompt's first token, one a request
+    thread = counter_deltas(before, after, "specdec_decode_thread_seconds_total", "part", float)
+    on_steps = sum(thread.get(part, 0.0) for part in STEP_PARTS)
     return Turn(policy, concurrency, round, start_s, seconds, tokens, steps_by_gamma(before, after), tokens - firsts, on_steps)
 
 
@@ -213,10 +213,7 @@ def check_switchbacks(loads: list[Load]) -> list[TargetCheck]:
             best = min(off.ratio, on.ratio)  # cost / max(off, on)
             checks.append(TargetCheck(f"cost / max(off, on) at c={c}", best, f">= {COST_VS_BEST_TARGET:.2f}",
                                       best >= COST_VS_BEST_TARGET))
-    lost = sum(load.lost for load in loads)
-    busy = sum(not load.rows_freed for load in loads)
-    return checks + [TargetCheck(f"requests lost or malformed, of {sum(load.requests for load in loads)}", lost, "= 0", lost == 0),
-                     TargetCheck(f"loads leaving requests running or waiting, of {len(loads)}", busy, "= 0", busy == 0)]
+    return checks + check_requests(loads, "loads")
 
 
 def format_comparisons(loads: list[Load]) -> str:
