@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.server.bench import (COST_VS_BEST_TARGET, COST_VS_OFF_TARGET, Counts, LoadPlan, RequestResult,
-                                  TargetCheck, busy_requests, check_requests, counter_deltas, finish_report, fmt,
+from specdec.server.bench import (Counts, LoadPlan, RequestResult, TargetCheck, busy_requests, check_requests,
+                                  cost_checks, counter_deltas, finish_report, fmt,
                                   format_checks, http_client, markdown_table, optional_pyplot, policy_order, scrape,
                                   server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
                                   wait_for_idle)
@@ -204,15 +204,9 @@ def check_switchbacks(loads: list[Load]) -> list[TargetCheck]:
     checks = []
     for load in loads:
         c = load.concurrency
-        off = found.get(("cost", "off", c))
-        if off is None:
-            continue
-        checks.append(TargetCheck(f"cost / off at c={c}", off.ratio, f">= {COST_VS_OFF_TARGET:.2f}", off.ratio >= COST_VS_OFF_TARGET))
-        on = found.get(("cost", "on", c))
-        if on is not None:
-            best = min(off.ratio, on.ratio)  # cost / max(off, on)
-            checks.append(TargetCheck(f"cost / max(off, on) at c={c}", best, f">= {COST_VS_BEST_TARGET:.2f}",
-                                      best >= COST_VS_BEST_TARGET))
+        off, on = found.get(("cost", "off", c)), found.get(("cost", "on", c))
+        if off is not None:
+            checks += cost_checks(c, off.ratio, on.ratio if on is not None else None)
     return checks + check_requests(loads, "loads")
 
 
