@@ -121,16 +121,29 @@ class RowBatch:
         return [b for b in range(self.capacity) if b not in self.rows]
 
     def occupy(self, slots: list[int], requests: list[Request], active: bool = True) -> list[Row]:
-        """Write the requests' prompts and settings into free slots (the prefill runs next; `active`: whether
-        steps take part in them already). Every value travels in two host-to-device copies (a server pays
-        this per prefill group, on the decode thread): the prompts right-padded with 0 to the longest, whose
-        pad positions are scratch until output lands there."""
+        """Hold free slots for the requests (take) and write their prompts and settings there (write); the
+        prefill runs next. `active`: whether steps take part in them already."""
+        rows = self.take(slots, requests)
+        self.write(rows, active)
+        return rows
+
+    def take(self, slots: list[int], requests: list[Request]) -> list[Row]:
+        """Hold free slots for the requests, on the host: their rows (with their seeds). Their device state
+        is what the slots held before until `write`, which a prefill defers past its first forward
+        (Stepper.prefill_chunk)."""
         rows = []
         for slot, request in zip(slots, requests):
             if slot in self.rows:
                 raise ValueError(f"slot {slot} is taken")
             rows.append(Row(slot, request, seed_of(request.sampling.seed)))
             self.rows[slot] = rows[-1]
+        return rows
+
+    def write(self, rows: list[Row], active: bool) -> None:
+        """Write the rows' prompts and settings into their slots. Every value travels in two host-to-device
+        copies (a server pays this per prefill group, on the decode thread): the prompts right-padded with 0
+        to the longest, whose pad positions are scratch until output lands there."""
+        requests = [row.request for row in rows]
         W = max(len(r.prompt) for r in requests)
         packed = to_device([[row.slot, len(r.prompt), len(r.prompt) + r.max_new_tokens, row.seed, int(r.stop_at_eos),
                              *r.prompt, *[0] * (W - len(r.prompt))] for row, r in zip(rows, requests)], self.device)  # [n, 5 + W]
@@ -144,7 +157,6 @@ class RowBatch:
         self.draws.index_fill_(0, index, 0)
         self.sampling.put(index, [r.sampling for r in requests])
         self.active.index_fill_(0, index, active)
-        return rows
 
     def release(self, slot: int) -> Row:
         """Free a slot (finished, cancelled or failed): it drafts and emits nothing from the next step on.

@@ -325,6 +325,7 @@ class Prefill:
     graph: tuple[int, int] | None  # the PrefillGraphs shape that reads the whole prompts in one replay, if any
     hidden: Tensor | None = None  # [n, lengths[0], Dm] the drafter's features (allocated by the first chunk, in the target's dtype)
     done: int = 0  # prompt positions read by every row still reading
+    written: bool = False  # the rows' prompts and settings are in the batch (RowBatch.write, by the first chunk)
     left: int = field(init=False)  # rows still reading: rows[:left]
 
     def __post_init__(self) -> None:
@@ -490,13 +491,14 @@ class Stepper:
 
     @entry_point
     def start_prefill(self, slots: list[int], requests: list[Request], chunk: int | None) -> Prefill:
-        """Occupy `slots` with `requests`, kept out of steps (inactive) until their prompts are read by
-        `prefill_chunk`: the slots are taken, and steps meanwhile leave them alone."""
+        """Take `slots` for `requests`, kept out of steps (inactive) until their prompts are read by
+        `prefill_chunk`, whose first chunk writes them into the batch: the slots are taken, and steps
+        meanwhile leave them alone."""
         if chunk is not None and chunk < len(slots):
             raise ValueError(f"a prefill chunk of {chunk} tokens cannot read a token of each of {len(slots)} rows")
         order = sorted(range(len(slots)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
         slots, requests = [slots[i] for i in order], [requests[i] for i in order]
-        rows = self.batch.occupy(slots, requests, active=False)
+        rows = self.batch.take(slots, requests)
         lengths = [len(r.prompt) for r in requests]
         graph = self.prefill_graph(len(rows), lengths[0], chunk)
         with self.reading_prompts():  # the scratch is written there
@@ -548,10 +550,14 @@ class Stepper:
             p.hidden[:m, start : start + width] = features
             p.done = start + width
             p.left = sum(n > p.done for n in p.lengths)
-            if p.left == m:
-                return []
-            first = sample_first(p.rows[p.left : m], out.logits[p.left : m, 0])  # [k]
-            tokens = to_host(first)
+            if p.left < m:  # rows whose prompt this chunk ends
+                first = sample_first(p.rows[p.left : m], out.logits[p.left : m, 0])  # [k]
+                tokens = to_host(first)
+        if not p.written:  # the rows into their slots, on the current stream, while the device reads the prompts
+            self.batch.write(p.rows, active=False)
+            p.written = True
+        if p.left == m:
+            return []
         return self.join_read(p, p.left, m, first, tokens)
 
     def join_read(self, prefill: Prefill, lo: int, hi: int, first: Tensor, tokens: HostCopy) -> list[Row]:

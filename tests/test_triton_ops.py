@@ -570,6 +570,9 @@ def test_topk_log_softmax_matches_a_stable_sort(vocab, k, dtype):
     assert torch.equal(index[..., :k_real], order[..., :k_real])
     torch.testing.assert_close(values[..., :k_real], ref.gather(-1, order[..., :k_real]), rtol=0, atol=1e-4)
     assert index.max().item() < vocab  # never an id past the vocabulary, even where it has fewer than k entries
+    # drafting passes the head's logits in their own dtype (EagleHead.draft_logits): the same as converting first
+    values32, index32 = topk_log_softmax(x.float(), k)
+    assert torch.equal(values, values32) and torch.equal(index, index32)
 
 
 @needs_triton

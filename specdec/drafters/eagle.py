@@ -180,7 +180,7 @@ class EagleDrafter:
         cfg, cache = self.tree, batch.draft.cache
         base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
         head, d2t = self.head, self.head.d2t
-        cands = fused.run_compiled(root_children, root_feature, *topk_log_probs(head.logits(root_feature), cfg.branch), d2t)
+        cands = fused.run_compiled(root_children, root_feature, *topk_log_probs(head.draft_logits(root_feature), cfg.branch), d2t)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1 (0 for a slot no row has held yet: it flows through masked, and
         # position -1 would index before the rotary table, an illegal address on CUDA)
@@ -189,7 +189,7 @@ class EagleDrafter:
             frontier = fused.run_compiled(choose_frontier, cands.scores, cands, root_pos, level, min(cfg.frontier, cands.scores.shape[1]))
             new_feats = self.head.features(frontier.features, frontier.tokens, frontier.positions, cache,
                                            mask=frontier.ancestors[:, -frontier.chosen.shape[1]:])  # [B, F, D]
-            children = topk_log_probs(head.logits(new_feats), cfg.branch)  # ([B, F, K] log q, [B, F, K] draft ids)
+            children = topk_log_probs(head.draft_logits(new_feats), cfg.branch)  # ([B, F, K] log q, [B, F, K] draft ids)
             cands = fused.run_compiled(add_children, new_feats, *children, cands, frontier, d2t, level)
         cache.lengths.copy_(base)  # the tree's entries are scratch
         return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)

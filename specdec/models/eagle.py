@@ -128,9 +128,15 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([self.embed_tokens(tokens), hidden], dim=-1))  # [B, T, D]
         return run_layers(self.layers, x, positions, cache, mask, self.inv_freq, 1.0, None)
 
+    def draft_logits(self, features: Tensor) -> Tensor:
+        """features [..., D] -> draft-vocabulary logits [..., Vd] in the head's dtype, as drafting reads them
+        (sampling.topk_log_probs computes in float32 whatever it is given: on CUDA its kernel converts as it
+        loads, which saves a conversion kernel per tree level)."""
+        return self.lm_head(features)
+
     def logits(self, features: Tensor) -> Tensor:
         """features [..., D] -> draft-vocabulary logits [..., Vd] (float32)."""
-        return self.lm_head(features).float()
+        return self.draft_logits(features).float()
 
 
 def follow_target_kernels(head: nn.Module, target, kernels: bool) -> None:

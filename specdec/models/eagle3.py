@@ -175,9 +175,13 @@ class Eagle3Head(nn.Module):
         head's output [B, T, D] (the next step's h). cache=None: causal within the block."""
         return run_layers(self.layers, self.inputs(hidden, tokens), positions, cache, mask, self.inv_freq, 1.0, None)
 
+    def draft_logits(self, h: Tensor) -> Tensor:
+        """h [..., D] -> draft-vocabulary logits [..., Vd] in the head's dtype (EagleHead.draft_logits)."""
+        return self.lm_head(self.norm(h))
+
     def logits(self, h: Tensor) -> Tensor:
         """h [..., D] -> draft-vocabulary logits [..., Vd] (float32)."""
-        return self.lm_head(self.norm(h)).float()
+        return self.draft_logits(h).float()
 
 
 def save_eagle3_head(head: Eagle3Head, folder: Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
