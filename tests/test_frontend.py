@@ -6,6 +6,7 @@ engine goes away."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -15,11 +16,13 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings
 from specdec.server.bench import free_port
 from specdec.server.frontend import FrontendProcess, ServerOptions
 from specdec.server.metrics import parse_metrics
-from specdec.server.policy import BatchCosts
+from specdec.server.policy import BatchCosts, SpecPolicy
+from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
 from test_server import AUTH, KEY, MODEL, PROMPTS, make_scheduler, model, reference_text, wait_until  # noqa: F401
 
 START_S = 120  # a spawned frontend imports torch, transformers and FastAPI afresh
@@ -127,11 +130,26 @@ def test_health_metrics_and_the_admin_switch_are_the_engines(served):
     assert health["status"] == "ok" and health["drafter"] == "ngram" and health["policy"] == scheduler.policy.name
     seen = metrics(url)
     assert seen["specdec_frontend_resident_memory_bytes"] > 0 and seen["process_resident_memory_bytes"] > 0
+    for prefix in ("specdec", "specdec_frontend"):  # each process's collections, by generation
+        assert {f'{prefix}_gc_collections_total{{generation="{g}"}}' for g in range(3)} <= seen.keys()
     switched = post(url, "/admin/spec-policy", {"policy": "off"})
     assert switched.status_code == 200 and scheduler.policy.name == "off"
     bad = post(url, "/admin/spec-policy", {"policy": "bogus"})
     assert bad.status_code == 400 and "unknown speculation policy" in bad.json()["error"]["message"]
     post(url, "/admin/spec-policy", {"policy": "on"})
+
+
+def test_the_frontend_process_freezes_its_heap_when_the_engine_does(model, served):  # noqa: F811
+    """`specdec serve` (config.freeze_heap) freezes the frontend process's start-up heap too; a test's does not."""
+    unfrozen = metrics(served[0])["specdec_frontend_gc_frozen_objects"]
+    scheduler = Scheduler(model, build_drafter("none", model), Codec(model.tokenizer), SpecPolicy("off", gamma=1),
+                          SchedulerConfig(max_batch=2, context=256, freeze_heap=True))
+    try:
+        with frontend(scheduler) as (url, _):
+            frozen = metrics(url)["specdec_frontend_gc_frozen_objects"]
+    finally:
+        gc.unfreeze()  # what this process's engine froze (test_server.py: the serving process's own freeze)
+    assert frozen > unfrozen + 1000  # the imports and the app, not a handful of objects
 
 
 def test_shutdown_drains_and_stops_the_engine_and_a_lost_engine_ends_the_frontend(model):  # noqa: F811

@@ -38,8 +38,9 @@ from functools import partial
 
 from specdec.config import SamplingParams
 from specdec.server.app import AppSettings, create_app
-from specdec.server.metrics import gauge, resident_memory_bytes
-from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler, SchedulerConfig, ShuttingDown)
+from specdec.server.metrics import gauge, gc_pauses, resident_memory_bytes
+from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler, SchedulerConfig, ShuttingDown,
+                                      freeze_heap)
 
 log = logging.getLogger("specdec.server")
 CALLS = ("health", "metrics_text", "switch_policy", "stop")  # the Scheduler methods the frontend may call
@@ -244,12 +245,13 @@ class RemoteScheduler:
         return self.call("health")
 
     def metrics_text(self, model_name: str) -> asyncio.Future:
-        """The engine's metrics and this process's resident memory."""
+        """The engine's metrics, this process's resident memory and its garbage collections."""
         async def both() -> str:
             text = await self.call("metrics_text", model_name)
             rss = resident_memory_bytes()
             mine = gauge("specdec_frontend_resident_memory_bytes", "The HTTP frontend process's resident memory.", rss)
-            return text + ("\n".join(mine) + "\n" if rss is not None else "")
+            mine = (mine if rss is not None else []) + gc_pauses().render("specdec_frontend", "the HTTP frontend process")
+            return text + "\n".join(mine) + "\n"
         return asyncio.ensure_future(both())
 
     def switch_policy(self, name: str, threshold: int | None = None) -> asyncio.Future:
@@ -336,8 +338,11 @@ def run_frontend(conn, tokenizer, settings: AppSettings, config: SchedulerConfig
     """The frontend process: uvicorn serving the app over a RemoteScheduler until SIGTERM or the engine's end."""
     os.setpgrp()  # a terminal's Ctrl-C goes to the engine, which shuts this process down in order
     log_to_stderr(options.log_level)
+    gc_pauses()  # counted from here (specdec_frontend_gc_*)
     scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size)
     server = http_server(create_app(scheduler, settings), options)
+    if config.freeze_heap:  # as the engine's process does once its graphs are captured (scheduler.freeze_heap)
+        freeze_heap()
     scheduler.on_lost = lambda: setattr(server, "should_exit", True)
     server.run()
 

@@ -58,13 +58,17 @@ class GcPauses:
             self.collections[info["generation"]] += 1
             self.began = None
 
-    def render(self) -> list[str]:
-        return ["# HELP specdec_gc_seconds_total Seconds this process spent in garbage collections, by generation.",
-                "# TYPE specdec_gc_seconds_total counter",
-                *(f'specdec_gc_seconds_total{{generation="{g}"}} {s:.6f}' for g, s in enumerate(self.seconds)),
-                "# HELP specdec_gc_collections_total Garbage collections in this process, by generation.",
-                "# TYPE specdec_gc_collections_total counter",
-                *(f'specdec_gc_collections_total{{generation="{g}"}} {n}' for g, n in enumerate(self.collections))]
+    def render(self, prefix: str = "specdec", process: str = "this process") -> list[str]:
+        """The counters as `{prefix}_gc_seconds_total` and `{prefix}_gc_collections_total` (the HTTP frontend's
+        process: prefix specdec_frontend)."""
+        return [f"# HELP {prefix}_gc_seconds_total Seconds {process} spent in garbage collections, by generation.",
+                f"# TYPE {prefix}_gc_seconds_total counter",
+                *(f'{prefix}_gc_seconds_total{{generation="{g}"}} {s:.6f}' for g, s in enumerate(self.seconds)),
+                f"# HELP {prefix}_gc_collections_total Garbage collections in {process}, by generation.",
+                f"# TYPE {prefix}_gc_collections_total counter",
+                *(f'{prefix}_gc_collections_total{{generation="{g}"}} {n}' for g, n in enumerate(self.collections)),
+                *gauge(f"{prefix}_gc_frozen_objects", f"Objects {process} has frozen out of the collector's reach "
+                       "(gc.freeze, once start-up is done).", gc.get_freeze_count())]
 
 
 _gc_pauses: GcPauses | None = None
