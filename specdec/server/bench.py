@@ -424,13 +424,19 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
         progress.update(counts.finished.value - seen)
         ends = drivers.result()
         wall = max(end for end, _ in ends) - streams.t0
-        results = [r for _, part in ends for r in part]
-        results += [RequestResult("failed", "-", "its client process ended without results")] * (n - len(results))
+        results = results_of(ends, n)
         end = await wait_for_idle(client)
         memory.append(sample_memory(len(results), end))
     return replace(summarize(policy, concurrency, results, wall, memory, streams.start, end),
                    client_processes=streams.processes)
 
+
+
+def results_of(ends: list[tuple[float, list[RequestResult]]], sent: int) -> list[RequestResult]:
+    """Every stream driver's results (Streams.done), and a failure for each of the `sent` requests that a
+    client process took and never answered (it died)."""
+    results = [r for _, part in ends for r in part]
+    return results + [RequestResult("failed", "-", "its client process ended without results")] * (sent - len(results))
 
 
 def client_processes(concurrency: int, asked: int | None) -> int:

@@ -6,8 +6,10 @@ import argparse
 import importlib.util
 import os
 import sys
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Iterator
 
 from specdec.errors import UserError
 
@@ -248,7 +250,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from specdec.server.bench import (SAMPLING_MIX, LoadPlan, check_targets, fixed_sampling, format_checks, format_medians,
-                                      format_table, hardware, local_server, prompts_for, run_load, write_report)
+                                      format_table, hardware, prompts_for, run_load, write_report)
     from specdec.server.policy import check_policy
 
     if not args.concurrency or min(args.concurrency) < 1:
@@ -296,12 +298,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
     if args.switchback is not None:
         return run_switchback_load(args, plan, prompts, config_of)
-    if args.url:
-        health, levels = run_load(args.url.rstrip("/"), args.api_key, prompts, plan, after_pass=save_pass)
-    else:
-        print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
-        with local_server(local_server_args(args), out / "server.log", args.startup_timeout) as (url, key):
-            health, levels = run_load(url, key, prompts, plan, after_pass=save_pass)
+    with benched_server(args, out) as (url, key):
+        health, levels = run_load(url, key, prompts, plan, after_pass=save_pass)
     files = write_report(out, config_of(health), hardware(health), levels)
     lost = sum(lv.lost for lv in levels)
     if args.json:
@@ -315,6 +313,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
               f"{sum(lv.disconnected for lv in levels)} disconnected, {lost} lost or malformed; "
               f"wrote {', '.join(map(str, files))}")
     return 1 if lost or not all(lv.rows_freed for lv in levels) else 0
+
+
+@contextmanager
+def benched_server(args: argparse.Namespace, out: Path) -> Iterator[tuple[str, str | None]]:
+    """(url, API key) of the server bench-serve measures: --url's, or one it starts here (log: out/server.log),
+    stopped on leaving."""
+    if args.url:
+        yield args.url.rstrip("/"), args.api_key
+        return
+    from specdec.server.bench import local_server
+
+    print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
+    with local_server(local_server_args(args), out / "server.log", args.startup_timeout) as (url, key):
+        yield url, key
 
 
 def local_server_args(args: argparse.Namespace) -> list[str]:
@@ -333,17 +345,13 @@ def local_server_args(args: argparse.Namespace) -> list[str]:
 
 def run_switchback_load(args: argparse.Namespace, plan, prompts: list[str], config_of) -> int:
     """bench-serve --switchback: the policies in turns within one load per concurrency (server/switchback.py)."""
-    from specdec.server.bench import format_checks, hardware, local_server
+    from specdec.server.bench import format_checks, hardware
     from specdec.server.switchback import (check_switchbacks, format_comparisons, request_line, run_switchbacks,
                                            write_switchback_report)
 
     out = Path(args.out)
-    if args.url:
-        health, loads = run_switchbacks(args.url.rstrip("/"), args.api_key, prompts, plan, args.switchback)
-    else:
-        print(f"specdec: starting the server (log: {out / 'server.log'}) ...", file=sys.stderr, flush=True)
-        with local_server(local_server_args(args), out / "server.log", args.startup_timeout) as (url, key):
-            health, loads = run_switchbacks(url, key, prompts, plan, args.switchback)
+    with benched_server(args, out) as (url, key):
+        health, loads = run_switchbacks(url, key, prompts, plan, args.switchback)
     files = write_switchback_report(out, config_of(health), hardware(health), loads, args.switchback)
     if args.json:
         print(files[0].read_text())

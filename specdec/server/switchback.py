@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.server.bench import (Counts, LoadPlan, RequestResult, TargetCheck, busy_requests, check_requests,
-                                  cost_checks, counter_deltas, finish_report, fmt,
+from specdec.server.bench import (Counts, LoadPlan, TargetCheck, busy_requests, check_requests, cost_checks,
+                                  counter_deltas, finish_report, fmt,
                                   format_checks, http_client, markdown_table, optional_pyplot, policy_order, scrape,
-                                  server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
+                                  results_of, server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
                                   wait_for_idle)
 
 BOOTSTRAP_RESAMPLES = 2000
@@ -124,8 +124,7 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
                 turns.append(measure_turn(policy, concurrency, r, start - t0, end - start, before, after))
                 progress.update(1)
         sent = counts.stop()
-        results: list[RequestResult] = [r for _, part in await streams.done for r in part]
-        results += [RequestResult("failed", "-", "its client process ended without results")] * (sent - len(results))
+        results = results_of(await streams.done, sent)
         running, waiting = busy_requests(await wait_for_idle(client))
     good = sum(r.outcome == "ok" for r in results)
     return Load(concurrency, turns, len(results), good, sum(r.outcome == "disconnected" for r in results),
