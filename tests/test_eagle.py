@@ -68,7 +68,15 @@ def test_select_tree_equals_sorting_on_random_trees():
             assert int(kept_parents[b, n]) == (-1 if p < 0 else position[(b, p)])
 
 
-@pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5)], ids=["default", "small"])
+def test_a_level_expands_at_most_its_own_nodes():
+    """A frontier wider than a level expands that level's nodes only (never a node of another level)."""
+    assert EagleTreeConfig(depth=3, branch=1, frontier=4).candidates(3) == 3  # a chain: one node a level
+    assert EagleTreeConfig(branch=2, frontier=3).candidates(3) == 2 + 4 + 6
+    assert EagleTreeConfig().candidates(5) == 4 + 16 + 16 + 16 + 16
+
+
+@pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5),
+                                  EagleTreeConfig(depth=3, branch=1, frontier=4)], ids=["default", "small", "chain"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eagle_greedy_equals_plain(models, plain, tree, batch):  # noqa: F811
     target, _, _ = models

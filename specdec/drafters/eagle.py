@@ -73,9 +73,10 @@ class EagleTreeConfig:
 
     def candidates(self, depth: int) -> int:
         """Nodes a tree of `depth` levels chooses from (as EagleDrafter.grow builds them)."""
-        total = self.branch
+        level = total = self.branch
         for _ in range(2, depth + 1):
-            total += min(self.frontier, total) * self.branch
+            level = min(self.frontier, level) * self.branch
+            total += level
         return total
 
 
@@ -173,26 +174,29 @@ class EagleDrafter:
         return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth_bound(depth, self.tree.depth, batch.device), self.tree.branch))
 
     def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
-        """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Between the head's
-        forwards, the children's top-k runs as two Triton kernels on CUDA (sampling.topk_log_probs) and the
-        bookkeeping compiled (fused.run_compiled): dozens of tiny operations per level, in a few kernels
-        because nothing in them sorts (`top_indices`)."""
+        """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Each level's
+        candidates have a fixed place (Level), so between two head forwards the bookkeeping is one compiled
+        function (fused.run_compiled: a few kernels, because nothing in it sorts, `top_indices`), and the
+        children's top-k runs as two Triton kernels on CUDA (sampling.topk_log_probs)."""
         cfg, cache = self.tree, batch.draft.cache
         base = cache.lengths.clone()  # [B] committed head slots (the root's pair is the last)
         head, d2t = self.head, self.head.d2t
-        cands = fused.run_compiled(root_children, root_feature, *topk_log_probs(head.draft_logits(root_feature), cfg.branch), d2t)
         # a node's head input is (its parent's feature, its token), at its parent's position; the root is
         # the pending token, at position L-1 (0 for a slot no row has held yet: it flows through masked, and
         # position -1 would index before the rotary table, an illegal address on CUDA)
         root_pos = (batch.length - 1).clamp(min=0)
-        for level in range(2, depth + 1):
-            frontier = fused.run_compiled(choose_frontier, cands.scores, cands, root_pos, level, min(cfg.frontier, cands.scores.shape[1]))
-            new_feats = self.head.features(frontier.features, frontier.tokens, frontier.positions, cache,
-                                           mask=frontier.ancestors[:, -frontier.chosen.shape[1]:])  # [B, F, D]
-            children = topk_log_probs(head.draft_logits(new_feats), cfg.branch)  # ([B, F, K] log q, [B, F, K] draft ids)
-            cands = fused.run_compiled(add_children, new_feats, *children, cands, frontier, d2t, level)
+        features, frontier, levels = root_feature[:, None], None, []  # features [B, P, D]: the expanded nodes'
+        for level in range(1, depth):
+            children = topk_log_probs(head.draft_logits(features), cfg.branch)  # ([B, P, K] log q, draft ids)
+            offset = sum(c.tokens.shape[1] for c in levels)
+            candidates, frontier = fused.run_compiled(next_frontier, *children, frontier, features, d2t, root_pos,
+                                                      offset, level, cfg.frontier)
+            levels.append(candidates)
+            features = head.features(frontier.features, frontier.tokens, frontier.positions, cache,
+                                     mask=frontier.ancestors[:, -frontier.tokens.shape[1]:])  # [B, F, D]
+        children = topk_log_probs(head.draft_logits(features), cfg.branch)
         cache.lengths.copy_(base)  # the tree's entries are scratch
-        return fused.run_compiled(select_tree, cands.tokens, cands.scores, cands.parents, cands.depths, cfg.total_tokens)
+        return fused.run_compiled(finish_tree, *children, frontier, d2t, levels, cfg.total_tokens)
 
 
 @dataclass
@@ -242,82 +246,77 @@ def keep_features(batch, verified: Verified) -> None:
 
 
 @dataclass
-class Candidates:
-    """Every node drafted so far, [B, C] each: token, cumulative draft log-probability, parent (candidate
-    index, -1 = the root), depth, the parent's feature [B, C, D] (the head's input for expanding it), and
-    the head-cache entry of candidates already expanded (-1 otherwise). `ancestors` [B, E, E]: which
-    expanded entries are ancestors of (or are) each other (the head's attention mask among them)."""
+class Level:
+    """One level's candidates, [B, n] each, frontier-major (the first level: the root's `branch` children;
+    a later one: `branch` children of each of the F nodes expanded, n = F * branch): target token ids,
+    cumulative draft log-probabilities, and parents as indices over all levels' candidates in order (-1: the
+    root)."""
 
     tokens: Tensor
     scores: Tensor
     parents: Tensor
-    depths: Tensor
-    features: Tensor
-    entry: Tensor
-    ancestors: Tensor
 
 
 @dataclass
 class Frontier:
-    chosen: Tensor  # [B, F] candidates to expand at this level
-    tokens: Tensor  # [B, F] their tokens
-    features: Tensor  # [B, F, D] their parents' features
-    positions: Tensor  # [B, F] their head inputs' position: their parents' (the root's position + level - 2)
-    ancestors: Tensor  # [B, E, E] the entries' ancestor sets, the F new entries last
+    """The F most confident candidates of the last level, expanded next; their head-cache entries are the
+    last F of `ancestors`."""
+
+    scores: Tensor  # [B, F]
+    index: Tensor  # [B, F] their indices over all levels' candidates (their children's parent)
+    tokens: Tensor  # [B, F]
+    features: Tensor  # [B, F, D] their parents' head features (the head's input for expanding them)
+    positions: Tensor  # [B, F] their head inputs' position: their parents' (the root's position + level - 1)
+    ancestors: Tensor  # [B, E, E] which expanded entries are ancestors of (or are) each other: the head's mask
 
 
-def root_children(root_feature: Tensor, score: Tensor, pick: Tensor, d2t: Tensor) -> Candidates:
-    """The first level: the root's `branch` most likely tokens (score, pick [B, K]: their draft log-probabilities
-    and draft-vocabulary ids under the head's logits of root_feature [B, D]). The head's logits are computed
-    outside (EagleHead.logits): on a CPU through the C kernels' packed weights, which a functional linear here
-    would bypass (single-threaded MKL took 3.8 ms a level)."""
-    B, D = root_feature.shape
-    branch = pick.shape[1]
-    return Candidates(d2t[pick], score, torch.full_like(pick, -1), torch.ones_like(pick),
-                      root_feature[:, None].expand(-1, branch, -1), torch.full_like(pick, -1),
-                      torch.zeros(B, 0, 0, dtype=torch.bool, device=root_feature.device))
+def add_level(child_score: Tensor, child_pick: Tensor, expanded: Frontier | None, d2t: Tensor) -> Level:
+    """The children of the nodes just expanded (child_score, child_pick [B, P, K]: their draft log-probabilities
+    and draft-vocabulary ids; expanded None: the root, P = 1)."""
+    B, P, K = child_pick.shape
+    tokens = d2t[child_pick.flatten(1)]  # [B, P*K]
+    if expanded is None:
+        return Level(tokens, child_score.flatten(1), torch.full_like(tokens, -1))
+    scores = (child_score + expanded.scores[..., None]).flatten(1)
+    return Level(tokens, scores, expanded.index[..., None].expand(B, P, K).flatten(1))
 
 
-def choose_frontier(scores: Tensor, cands: Candidates, root_pos: Tensor, level: int, F: int) -> Frontier:
-    """The F most confident candidates of the last level, their head inputs' positions (root_pos [B]: the
-    pending token's) and their ancestor sets as head-cache entries (each new entry: its parent's ancestors
-    and itself)."""
-    B, E0 = scores.shape[0], cands.ancestors.shape[1]
-    rows = torch.arange(B, device=scores.device)[:, None]
-    ranked = torch.where(cands.depths == level - 1, scores, float("-inf"))
-    chosen = top_indices(ranked, F)  # [B, F]
-    parent = cands.parents.gather(1, chosen)  # [B, F]
-    parent_entry = torch.where(parent >= 0, cands.entry.gather(1, parent.clamp(min=0)), -1)  # [B, F]
-    ancestors = torch.zeros(B, E0 + F, E0 + F, dtype=torch.bool, device=scores.device)
-    if E0:  # (the second level's parents are first-level nodes: no entries yet)
-        ancestors[:, :E0, :E0] = cands.ancestors
-        ancestors[:, E0:, :E0] = cands.ancestors[rows, parent_entry.clamp(min=0)] & (parent_entry >= 0)[..., None]
-    ancestors[:, E0:, E0:] = torch.eye(F, dtype=torch.bool, device=scores.device)
-    positions = (root_pos + (level - 2))[:, None].expand(B, F).contiguous()  # [B, F]
-    return Frontier(chosen, cands.tokens[rows, chosen], cands.features[rows, chosen], positions, ancestors)
+def choose_frontier(level: Level, offset: int, features: Tensor, expanded: Frontier | None, root_pos: Tensor,
+                    depth: int, F: int) -> Frontier:
+    """The F most confident of `level` (the depth-th, its first candidate at `offset` over all levels), with
+    their parents' features (features [B, P, D]: the head's, of the P nodes whose children the level holds)
+    and their entries' ancestor sets (each one's parent's set and itself)."""
+    B, n = level.scores.shape
+    P = features.shape[1]
+    rows = torch.arange(B, device=features.device)[:, None]
+    chosen = top_indices(level.scores, F)  # [B, F] within the level
+    parent = chosen // (n // P)  # [B, F] which of the P expanded nodes (the last P entries) each one's parent is
+    E0 = 0 if expanded is None else expanded.ancestors.shape[1]
+    ancestors = torch.zeros(B, E0 + F, E0 + F, dtype=torch.bool, device=features.device)
+    if E0:  # (the first level's parent is the root: no entry)
+        ancestors[:, :E0, :E0] = expanded.ancestors
+        ancestors[:, E0:, :E0] = expanded.ancestors[rows, E0 - P + parent]
+    ancestors[:, E0:, E0:] = torch.eye(F, dtype=torch.bool, device=features.device)
+    positions = (root_pos + (depth - 1))[:, None].expand(B, F).contiguous()  # [B, F]
+    return Frontier(level.scores.gather(1, chosen), offset + chosen, level.tokens.gather(1, chosen),
+                    features[rows, parent], positions, ancestors)
 
 
-def add_children(new_feats: Tensor, child_score: Tensor, child_pick: Tensor, cands: Candidates, frontier: Frontier,
-                 d2t: Tensor, level: int) -> Candidates:
-    """Mark the frontier as expanded (head-cache entries E0..E-1) and add each one's `branch` most likely
-    children (new_feats [B, F, D]: the head's features of the frontier; child_score, child_pick [B, F, K]:
-    their children's draft log-probabilities and draft-vocabulary ids)."""
-    B, F, branch = child_pick.shape
-    E = frontier.ancestors.shape[1]
-    rows = torch.arange(B, device=new_feats.device)[:, None]
-    entry = cands.entry.clone()
-    entry[rows, frontier.chosen] = torch.arange(E - F, E, device=new_feats.device).expand(B, F)
-    child_score = child_score + cands.scores.gather(1, frontier.chosen)[..., None]
-    children = child_pick.flatten(1)  # [B, F*K]
-    return Candidates(
-        tokens=torch.cat([cands.tokens, d2t[children]], 1),
-        scores=torch.cat([cands.scores, child_score.flatten(1)], 1),
-        parents=torch.cat([cands.parents, frontier.chosen[..., None].expand(-1, -1, branch).flatten(1)], 1),
-        depths=torch.cat([cands.depths, torch.full_like(children, level)], 1),
-        features=torch.cat([cands.features, new_feats[:, :, None].expand(-1, -1, branch, -1).flatten(1, 2)], 1),
-        entry=torch.cat([entry, torch.full_like(children, -1)], 1),
-        ancestors=frontier.ancestors,
-    )
+def next_frontier(child_score: Tensor, child_pick: Tensor, expanded: Frontier | None, features: Tensor, d2t: Tensor,
+                  root_pos: Tensor, offset: int, depth: int, frontier: int) -> tuple[Level, Frontier]:
+    """One compiled step between two head forwards: the depth-th level (the children of the nodes expanded,
+    features [B, P, D] their head features) and the nodes of it to expand next."""
+    level = add_level(child_score, child_pick, expanded, d2t)
+    return level, choose_frontier(level, offset, features, expanded, root_pos, depth, min(frontier, level.scores.shape[1]))
+
+
+def finish_tree(child_score: Tensor, child_pick: Tensor, expanded: Frontier | None, d2t: Tensor, levels: list[Level],
+                total: int) -> tuple[Tensor, Tensor]:
+    """The last level, then the `total` best candidates of all levels as a tree (select_tree)."""
+    levels = [*levels, add_level(child_score, child_pick, expanded, d2t)]
+    depths = torch.cat([torch.full_like(c.parents, d) for d, c in enumerate(levels, 1)], 1)
+    cat = lambda name: torch.cat([getattr(c, name) for c in levels], 1)  # noqa: E731
+    return select_tree(cat("tokens"), cat("scores"), cat("parents"), depths, total)
 
 
 def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor, total: int) -> tuple[Tensor, Tensor]:
