@@ -47,7 +47,7 @@ from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import counter_lane, kernel_path
 from specdec.models.llama import ModelOutput, aux_args
-from specdec.sampling import RowSampling, logits_to_probs, sample, uniforms
+from specdec.sampling import RowSampling, greedy_tokens, logits_to_probs, sample, uniforms
 from specdec.transfer import fill_slot, to_device
 from specdec.verify import TreeSpec, VerifyResult, tree_uniforms_needed, verify_chain, verify_tree
 
@@ -342,7 +342,7 @@ def sample_first(rows: list[Row], logits: Tensor) -> Tensor:
     advances it). Reads only the rows' host-side settings, not the batch's device state, which the step in
     flight may still be using (prefill_stream)."""
     if all(r.request.sampling.greedy for r in rows):
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     params = [r.request.sampling for r in rows]
     sampling = RowSampling.of(params, logits.device)
     sampling.max_top_k = top_k_bound([p for p in params if not p.greedy])

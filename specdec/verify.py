@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.sampling import RowSampling, sample, sampled_probs
+from specdec.sampling import RowSampling, greedy_tokens, sample, sampled_probs
 
 
 @dataclass
@@ -63,7 +63,7 @@ def take_row(x: Tensor, index: Tensor) -> Tensor:
 def greedy_verify(draft_tokens: Tensor, target_logits: Tensor, num_drafted: Tensor | None = None) -> VerifyResult:
     """draft_tokens [B, k], target_logits [B, k+1, V]: keep drafts while they equal the target's argmax."""
     k = draft_tokens.shape[1]
-    target_tokens = target_logits.argmax(-1)  # [B, k+1]
+    target_tokens = greedy_tokens(target_logits)  # [B, k+1]
     num_accepted = count_accepted(draft_tokens == target_tokens[:, :k], num_drafted)
     # Accepted drafts equal the argmax, and the token after them is the argmax: emit the argmax row.
     return VerifyResult(tokens=target_tokens, num_accepted=num_accepted)
@@ -228,7 +228,7 @@ def longest_accepted(accepted: Tensor, tree: TreeSpec) -> tuple[Tensor, Tensor]:
 def tree_greedy_verify(node_tokens: Tensor, tree: TreeSpec, target_logits: Tensor) -> TreeVerifyResult:
     """node_tokens [B, N], target_logits [B, N+1, V]: the longest root-to-node path whose every token
     equals the target's argmax after its parent; emits that path then the target's next token."""
-    argmax = target_logits.argmax(-1)  # [B, N+1]
+    argmax = greedy_tokens(target_logits)  # [B, N+1]
     parent = tree.parent_blocks  # [B, N+1]
     match = torch.cat([torch.ones_like(node_tokens[:, :1], dtype=torch.bool),
                        (node_tokens == argmax.gather(1, parent[:, 1:])) & tree.valid()], dim=1)  # [B, N+1]

@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 from conftest import DEVICE, seeded_generator
 from specdec.config import SamplingParams
 from specdec.errors import UserError
-from specdec.sampling import TOP_K_CAP, RowSampling, keep_likely, logits_to_probs, sample, select_threshold, topk_in_slices, topk_wide, uniforms
+from specdec.sampling import TOP_K_CAP, RowSampling, greedy_tokens, keep_likely, logits_to_probs, sample, select_threshold, topk_in_slices, topk_wide, uniforms
 
 PROBS = [0.5, 0.3, 0.15, 0.05]  # a distribution whose kept sets are easy to work out by hand
 ALPHA = 1e-3
@@ -541,3 +541,18 @@ def test_boundary_sampling_params_are_valid():
     params = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
     assert params.greedy
     assert not SamplingParams(temperature=0.5, top_p=1e-6, min_p=0.99).greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_tokens_take_the_first_of_tied_maxima(dtype):
+    """greedy_tokens (max's indices) is argmax: rows of many exact ties (values 0-4) keep the first
+    maximum, wherever it falls, over [B, T, V] at the default model's vocabulary and an odd one."""
+    gen = seeded_generator(3)
+    for V in (49152, 1003):
+        logits = torch.randint(0, 5, (4, 3, V), generator=gen, device=DEVICE).to(dtype)
+        logits[0, 0, -1] = 5  # the maximum alone, last
+        logits[1, 1, :] = 2  # every logit tied
+        tokens = greedy_tokens(logits)
+        first = (logits == logits.amax(-1, keepdim=True)).int().argmax(-1)  # the first position holding the maximum
+        assert torch.equal(tokens, first) and torch.equal(tokens, logits.argmax(-1))
+        assert tokens[0, 0] == V - 1 and tokens[1, 1] == 0

@@ -44,7 +44,7 @@ from specdec.kv_cache import KVCache
 from specdec.models.linear import take_rows, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
 from specdec.models.views import follow_kernels
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import greedy_tokens, logits_to_probs, sample
 
 
 def check_same_vocabulary(target, draft) -> None:
@@ -70,7 +70,7 @@ def draw(logits: Tensor, batch, u: Tensor | None) -> tuple[Tensor, Tensor | None
     """Draft logits [B, V] -> tokens [B] and q [B, V]: argmax when no row samples (q = None, one-hot),
     else each row's own sampling parameters (greedy rows still take the argmax) with uniforms u [B]."""
     if u is None:
-        return logits.argmax(-1), None
+        return greedy_tokens(logits), None
     q = logits_to_probs(logits, batch.sampling)
     return sample(q, u), q
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.sampling import greedy_tokens
 from specdec.verify import TreeSpec
 
 
@@ -134,7 +135,7 @@ class LookaheadDrafter:
         return tokens, parents, [n + 1 for n in window_path]  # block index = node index + 1
 
     def commit(self, batch, verified: Verified) -> None:
-        argmax = verified.logits.argmax(-1).cpu()  # [B, T] the target's next token after each block entry
+        argmax = greedy_tokens(verified.logits).cpu()  # [B, T] the target's next token after each block entry
         emitted = verified.kept.tolist()
         for slot, row in rows_in_view(batch):
             window_nodes, row.window_nodes = row.window_nodes, []  # this step's only: a step may skip proposing
