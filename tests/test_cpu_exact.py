@@ -268,7 +268,7 @@ def test_no_kernel_is_said_once_and_reported(fresh_build, capsys, why):
     for _ in range(3):
         assert not cpu_gemm.available()
     status = cpu_gemm.build_status()
-    assert status == {"available": False, "isa": None, "library": None, "error": status["error"]} and status["error"]
+    assert status == {"available": False, "isa": None, "int_dot": None, "library": None, "error": status["error"]} and status["error"]
     err = capsys.readouterr().err
     assert err.count("specdec: CPU kernel unavailable") == 1 and "greedy speculative output may differ" in err
     layer = Linear(8, 8)

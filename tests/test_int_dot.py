@@ -161,6 +161,32 @@ def test_the_portable_build_computes_the_same_arithmetic(portable, tmp_path, cap
     assert capsys.readouterr().err.count("Q4_1-A8 draft: no AVX2 in this kernel build (portable)") == 1
 
 
+@pytest.fixture
+def without_vnni(monkeypatch):
+    """The kernels built with VNNI switched off (AVX2's pairwise int16 sums); the usual build afterwards."""
+    cpu_gemm.library.cache_clear()
+    monkeypatch.setattr(cpu_gemm, "FLAGS", cpu_gemm.FLAGS + ["-mno-avxvnni", "-mno-avx512vnni"])
+    yield
+    monkeypatch.undo()
+    cpu_gemm.library.cache_clear()
+    assert cpu_gemm.available()
+
+
+@pytest.mark.skipif(not cpu_gemm.available() or not cpu_gemm.build_status()["int_dot"].endswith("vnni"),
+                    reason="this CPU's build has no VNNI to compare with AVX2")
+def test_vnni_gives_the_bits_of_avx2(request):
+    """Where the build uses VNNI (one dpbusd adds a column's 4 products into int32), its products are
+    bitwise those of the AVX2 build (maddubs pairs in int16, madd at the block's end): the block sums are
+    exact integers either way, and the float steps are the same."""
+    cases = [(fmt, K, N, M) for fmt in FORMATS for K, N, M in [(576, 160, 1), (1536, 64, 3), (256, 80, 13)]]
+    inputs = {case: (gguf_rows(case[2], case[1], case[0], sum(case[1:])), activations(case[3], case[1], 9)) for case in cases}
+    with_vnni = {case: product(x, raw, case[0]) for case, (raw, x) in inputs.items()}
+    request.getfixturevalue("without_vnni")
+    assert cpu_gemm.build_status()["int_dot"] == "avx2"
+    for case, (raw, x) in inputs.items():
+        assert torch.equal(product(x, raw, case[0]), with_vnni[case]), case
+
+
 # --- the drafter ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -189,7 +215,8 @@ def test_greedy_speculation_equals_plain_decoding(targets, fmt, gamma, target):
     assert out.stats.drafted > 0 and out.stats.acceptance_rate > 0.3  # the same model in 4 bits drafts often right
     path = draft_kernel_path(engine.drafter)
     assert path.name == "cpu-exact" and path.weights == f"{fmt} x 13, the head's top 8 rescored in int8"  # 3 layers x 4 products, the LM head
-    assert f"({cpu_gemm.build_status()['isa']})" in path.detail and "one C call" in path.detail
+    status = cpu_gemm.build_status()
+    assert f"({status['isa']}; int8 dot products: {status['int_dot']})" in path.detail and "one C call" in path.detail
 
 
 def test_a_4_bit_heads_best_logits_are_rescored_by_the_targets_rows():
@@ -209,13 +236,40 @@ def test_a_4_bit_heads_best_logits_are_rescored_by_the_targets_rows():
     a, b = scores.topk(2).indices.tolist()
     logits = scores.clone()[None, None] - 0.5 * torch.rand(V, generator=torch.Generator().manual_seed(2))
     logits[..., b], logits[..., a] = scores[a] + 0.01, scores[a] - 0.01  # the 4-bit head puts b first, just
-    out = rescored.apply(logits, h)
+    out = rescored.apply(logits.clone(), h)
     assert logits.argmax() == b and out.argmax() == a
     top = logits.topk(RESCORED, dim=-1).indices[0, 0]
     assert torch.allclose(out[0, 0, top], scores[top], atol=1e-5)
     rest = torch.ones(V, dtype=torch.bool)
     rest[top] = False
     assert torch.equal(out[0, 0, rest], logits[0, 0, rest])  # the others untouched
+
+
+@pytest.mark.parametrize("V", [5, 64, 1003])
+def test_rescoring_picks_each_rows_best_logits_lower_index_first(V):
+    """The C pass behind RescoredHead, row by row ([2, 3] rows): exactly each row's R best logits are
+    rescored (a tie at the R-th place keeps the lower index), in vocabularies shorter than R, of whole
+    blocks of 8, and with a tail; the best may sit anywhere, the last logit included."""
+    from specdec.models.views import RESCORED
+
+    D, gen = 24, torch.Generator().manual_seed(V)
+    weight = torch.randint(-127, 128, (V, D), dtype=torch.int8, generator=gen)
+    scale = torch.rand(V, generator=gen) / 100
+    hidden = torch.randn(2, 3, D, generator=gen)
+    logits = torch.randn(2, 3, V, generator=gen)
+    logits[0, 0, -1] = 10.0  # the best is the last logit
+    if V > RESCORED:  # row (1, 2): a tie at the R-th place, between a lower and a higher index
+        order = logits[1, 2].argsort(descending=True)
+        logits[1, 2, order[RESCORED]] = logits[1, 2, order[RESCORED - 1]]
+    out = cpu_gemm.rescore(logits.clone(), hidden, weight, scale, RESCORED)
+    for b in range(2):
+        for t in range(3):
+            ranked = sorted(range(V), key=lambda v: (-float(logits[b, t, v]), v))[:RESCORED]  # best, ties by index
+            chosen = torch.zeros(V, dtype=torch.bool)
+            chosen[ranked] = True
+            expected = (weight[ranked].float() @ hidden[b, t]) * scale[ranked]
+            assert torch.allclose(out[b, t, ranked], expected, rtol=1e-5, atol=1e-6), (b, t)
+            assert torch.equal(out[b, t, ~chosen], logits[b, t, ~chosen]), (b, t)
 
 
 def test_a_model_without_blocks_of_32_inputs_is_refused(tmp_path):

@@ -70,7 +70,7 @@ FLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fPIC", "-sha
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in skinny_gemm.c
 BLOCK_TYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5, "Q4_0-A8": 6, "Q4_1-A8": 7}  # GGUF block formats in uint8 panels (cpu_quant.py), same enum
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
-STATUS: dict = {"available": False, "isa": None, "library": None, "error": None}
+STATUS: dict = {"available": False, "isa": None, "int_dot": None, "library": None, "error": None}
 KERNEL_THREADS = [0]  # the kernels' threads inside `kernels_own_threads`; 0: torch.get_num_threads()
 
 
@@ -136,6 +136,7 @@ def compile_into(folder: Path, name: str, compiler: str, flags: list[str]) -> Pa
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.specdec_isa.restype = ctypes.c_char_p
+    lib.specdec_int_dot_isa.restype = ctypes.c_char_p
     lib.skinny_gemm.restype = None
     lib.skinny_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p] + [ctypes.c_int] * 5
@@ -145,6 +146,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.specdec_layers.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
     lib.specdec_dequantize_rows.restype = None
     lib.specdec_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.specdec_rescore.restype = None
+    lib.specdec_rescore.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.specdec_rms_norm.restype = None
     lib.specdec_rms_norm.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
     return lib
@@ -190,11 +193,12 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = build(FLAGS)
     except BuildError as e:
-        STATUS.update(available=False, isa=None, library=None, error=str(e))
+        STATUS.update(available=False, isa=None, int_dot=None, library=None, error=str(e))
         say_once(f"CPU kernel unavailable ({e}): falling back to PyTorch's matmul; "
                  "greedy speculative output may differ from plain decoding")
         return None
-    STATUS.update(available=True, isa=lib.specdec_isa().decode(), library=lib._name, error=None)
+    STATUS.update(available=True, isa=lib.specdec_isa().decode(), int_dot=lib.specdec_int_dot_isa().decode(),
+                  library=lib._name, error=None)
     return lib
 
 
@@ -225,7 +229,8 @@ def available() -> bool:
 
 
 def build_status() -> dict:
-    """{available: bool, isa: "avx2" | "portable" | None, library: path | None, error: str | None}."""
+    """{available: bool, isa: "avx2" | "portable" | None, int_dot: the `-A8` formats' integer sums ("avx-vnni",
+    "avx512-vnni", "avx2", "portable") | None, library: path | None, error: str | None}."""
     library()
     return dict(STATUS)
 
@@ -289,6 +294,17 @@ def gemm(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, scal
                           None if scales is None else scales.data_ptr(), None if bias is None else bias.data_ptr(),
                           y.data_ptr(), y.dtype == torch.bfloat16, x.shape[:-1].numel(), K, N, threads())
     return y if N == out_features else y[..., :out_features]
+
+
+def rescore(logits: Tensor, hidden: Tensor, weight: Tensor, scale: Tensor, k: int) -> Tensor:
+    """logits [..., V] float32, rescored in place: each row's k best (k <= 16) become scale[v] *
+    (hidden[row] . weight[v]), with hidden [..., D] and int8 rows weight [V, D], scale [V] (int_dot.c)."""
+    assert logits.dtype == torch.float32 and logits.is_contiguous() and weight.dtype == torch.int8
+    hidden = hidden.float().contiguous()
+    V, D = weight.shape
+    library().specdec_rescore(logits.data_ptr(), hidden.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                              logits.shape[:-1].numel(), V, D, k)
+    return logits
 
 
 SHAPES = [(576, 576), (576, 576 + 2 * 192), (576, 2 * 1536), (1536, 576), (576, 49152)]  # (K, N): the default model's

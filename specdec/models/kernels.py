@@ -196,14 +196,17 @@ def kernel_route(model: nn.Module) -> KernelPath:
                                                  "visible keys in fixed blocks and chunks")
     if p.device.type == "cuda":
         return KernelPath("cublas", False, f"cuBLAS + SDPA + torch.compile'd elementwise ops, {p.dtype}: algorithms picked per shape")
-    from specdec.models import cpu_gemm, cpu_layer
+    from specdec.models import cpu_gemm, cpu_layer, cpu_quant
 
     packed = getattr(layers[0].self_attn.o_proj, "packed", None) is not None
     if packed:
         stack = getattr(model, "layers", None)
         problem = cpu_layer.prepare(stack, p.dtype).problem if isinstance(stack, nn.ModuleList) else "no layer stack"
         glue = "each forward's layers in one C call" if problem is None else f"PyTorch glue between the C kernels ({problem})"
-        return KernelPath("cpu-exact", True, f"specdec C kernels ({cpu_gemm.build_status()['isa']}), {p.dtype}: fixed order per row; {glue}")
+        status = cpu_gemm.build_status()
+        int_dot = any(cpu_quant.FORMATS[m.qtype].int_dot for m in model.modules() if getattr(m, "qtype", None) in cpu_quant.FORMATS)
+        isa = status["isa"] + (f"; int8 dot products: {status['int_dot']}" if int_dot else "")
+        return KernelPath("cpu-exact", True, f"specdec C kernels ({isa}), {p.dtype}: fixed order per row; {glue}")
     return KernelPath("mkl", False, f"PyTorch CPU matmul (MKL) + SDPA, {p.dtype}: blocking picked per shape")
 
 

@@ -71,8 +71,8 @@ def check_blocks(target: LlamaModel, fmt: str) -> None:
     if odd:
         raise UserError(f"--quant-format {fmt} quantises blocks of {cpu_quant.QK} inputs, but this model has layers of "
                         f"{', '.join(map(str, odd))} inputs; use int8")
-    isa = cpu_gemm.build_status()["isa"]
-    if cpu_quant.FORMATS[fmt].int_dot and isa != "avx2":
+    isa = cpu_gemm.build_status()["int_dot"]
+    if cpu_quant.FORMATS[fmt].int_dot and isa == "portable":
         cpu_gemm.say_once(f"{fmt} draft: no AVX2 in this kernel build ({isa}): its integer products run in portable C, "
                           "without the vector instructions that make the format fast")
 
@@ -101,10 +101,8 @@ class RescoredHead:
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
         return cls(torch.round(w / scale[:, None]).to(torch.int8), scale)
 
-    def apply(self, logits: Tensor, hidden: Tensor) -> Tensor:  # [B, T, V] float32, [B, T, D] -> [B, T, V]
-        top = logits.topk(RESCORED, dim=-1).indices  # [B, T, R]
-        rows = self.weight[top].float() * self.scale[top][..., None]  # [B, T, R, D]
-        return logits.scatter(-1, top, torch.einsum("btd,btrd->btr", hidden.float(), rows))
+    def apply(self, logits: Tensor, hidden: Tensor) -> Tensor:  # [B, T, V] float32 (rescored in place), [B, T, D]
+        return cpu_gemm.rescore(logits, hidden, self.weight, self.scale, RESCORED)
 
 
 class QuantizedCopy(LlamaModel):
