@@ -22,7 +22,7 @@ from specdec.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig  # noqa: E402
 from specdec.drafters.medusa import DEFAULT_TREE, MedusaDrafter, MedusaTree  # noqa: E402
 from specdec.models import load_model  # noqa: E402
-from specdec.models.tensor_parallel import join_group, leave_group  # noqa: E402
+from specdec.models.tensor_parallel import finish_ranks, join_group  # noqa: E402
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 24
@@ -65,7 +65,7 @@ def main(target_folder: str, draft_folder: str, prefix: str) -> None:
         result["logits"] = target(ids, torch.arange(ids.shape[1])[None], target.new_cache(1, 16)).logits[0].tolist()
     with open(f"{prefix}.rank{shard.rank}.json", "w") as f:
         json.dump(result, f)
-    leave_group()
+    finish_ranks(shard)  # as the CLI ends: a barrier, then leave (without the barrier a rank aborted in gloo's teardown)
 
 
 if __name__ == "__main__":
