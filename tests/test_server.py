@@ -25,9 +25,9 @@ from specdec.config import SamplingParams
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
-from specdec.adaptive import STEP_SAMPLES, batch_expected_tokens, expected_tokens
+from specdec.adaptive import PRIOR_WEIGHT, STEP_SAMPLES, Acceptance, batch_expected_tokens, blended_rates, expected_tokens
 from specdec.batch import TOP_K_BOUND
-from specdec.server.policy import EXPLORE_EVERY, SWITCH_MARGIN, Acceptance, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.server.policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
@@ -864,7 +864,7 @@ def test_cost_policy_leaves_its_choice_only_for_a_clearly_faster_gamma():
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     assert policy.choose(rows_accepting(3, 1)) == 3 and policy.moved == "switch"  # from gamma 0, where a bucket starts
     rows = rows_accepting(1, 1)  # gamma 1 now wins, by under the margin (1.06 against 1.02 seconds)
-    alphas = rows.rates(policy.overall.rates(np.full(3, 0.5), 2.0)[0], policy.prior_weight)
+    alphas = blended_rates(rows, policy.overall)
     faster = policy.tokens_per_s(alphas, 1, 1) / policy.tokens_per_s(alphas, 3, 1)
     assert 1 < faster < 1 + SWITCH_MARGIN
     assert [policy.choose(rows) for _ in range(8)] == [3] * 8 and policy.moved is None
@@ -880,7 +880,7 @@ def test_cost_policy_returns_to_plain_as_soon_as_drafting_stops_paying():
     policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
     rows = rows_accepting(3, 1)
     assert policy.choose(rows) == 3 and policy.moved == "switch"
-    alphas = rows.rates(policy.overall.rates(np.full(3, 0.5), 2.0)[0], policy.prior_weight)
+    alphas = blended_rates(rows, policy.overall)
     tokens = batch_expected_tokens(alphas, 3)  # [4]: expected tokens at gamma 0..3
     for _ in range(STEP_SAMPLES):  # gamma 3: 1.02x plain's seconds a token; gamma 1 and 2 dearer still
         policy.observe_step_time(1, 0, 1.0)
@@ -950,7 +950,7 @@ def test_cost_policy_explores_only_what_its_forward_times_could_make_win():
     rows = Acceptance(np.full((4, 3), 100.0), np.full((4, 3), 40.0))
     assert all(policy.could_pay(4, g) for g in (1, 2, 3))
     assert [policy.choose(rows, slots=4) for _ in range(8 * EXPLORE_EVERY)] == [0] * (8 * EXPLORE_EVERY)
-    alphas = rows_accepting(3, 4).rates(np.full(3, 0.5), policy.prior_weight)
+    alphas = rows_accepting(3, 4).rates(np.full(3, 0.5), PRIOR_WEIGHT)
     assert policy.worth_exploring(alphas, 4, 2, 0)  # rows that keep every draft: gamma 2 could win
 
 

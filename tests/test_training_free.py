@@ -12,7 +12,7 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
+from specdec.adaptive import FRESH_RATE, STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -184,6 +184,55 @@ def test_best_gamma_follows_measured_whole_steps():
     assert server.seconds(1, 0, lambda B, g: 1.0 + g / 2) == pytest.approx(1.25)
 
 
+def test_the_cost_policy_starts_a_request_from_recent_acceptance():
+    """A new call's rows start from the engine's pooled acceptance of recent steps, not from a fresh 0.5:
+    after steps that kept every draft, a fresh row expects most drafts kept; after many plain steps
+    the pooled estimate has returned to FRESH_RATE. Without a cost model, a row's own Beta(1, 1)."""
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, t1=0.05)
+    policy = GammaPolicy("cost", gamma=3, gamma_max=3, cost=cost)
+    policy.start(2)
+    for _ in range(20):
+        policy.observe([0, 1], drafted=[3, 3], accepted=[3, 3])
+    policy.start(1)  # the next call
+    assert all(a > 0.8 for a in policy.acceptance(0)) and best_gamma(policy.acceptance(0), cost) == 3
+    for _ in range(400):
+        policy.observe([0], drafted=[0], accepted=[0])
+    assert policy.acceptance(0) == pytest.approx([FRESH_RATE] * 3, abs=1e-2)
+
+
+def test_a_lazy_drafters_catch_up_is_not_priced_as_drafting():
+    """On a CPU a lazy drafter feeds a row its prompt at the row's first draft (and a stretch of plain steps
+    at the next draft after it): the engine leaves such steps out of c and the measured step costs, which
+    the drafts of every step would otherwise seem to pay."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.catch_up import SHORT_GAP
+    from specdec.engine import observe
+
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, t1=0.05)
+    policy = GammaPolicy("cost", gamma=3, gamma_max=3, cost=cost)
+    policy.start(1)
+    row = SimpleNamespace(slot=0)
+
+    def step(drafted: int, draft_s: float) -> SimpleNamespace:
+        return SimpleNamespace(rows=[SimpleNamespace(row=row, drafted=drafted, accepted=drafted)], draft_s=draft_s,
+                               verify_s=0.05, gamma=drafted)
+
+    idle = [SHORT_GAP]  # a row just prefilled
+    observe(policy, step(3, 0.5), idle)  # its first draft caught it up over its prompt
+    assert cost.draft_tokens == 0 and not cost.steps.seen
+    observe(policy, step(3, 0.015), idle)
+    assert cost.c == pytest.approx(0.1) and cost.draft_tokens == 3
+    for _ in range(SHORT_GAP):
+        observe(policy, step(0, 0.0), idle)
+    observe(policy, step(3, 0.4), idle)  # after a stretch at gamma 0: caught up again
+    assert cost.c == pytest.approx(0.1) and cost.draft_tokens == 3
+    eager = GammaPolicy("cost", gamma=3, gamma_max=3, cost=CostModel({1: 1.0, 2: 1.1}, t1=0.05))
+    eager.start(1)
+    observe(eager, step(3, 0.015), None)  # a stepper that feeds its drafter every step: every draft priced
+    assert eager.cost.draft_tokens == 3
+
+
 def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
     engine = specdec.SpecEngine(tiny, "ngram")
     engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, specdec.SpecConfig(max_new_tokens=24, gamma_policy="cost", gamma_max=3))
@@ -194,11 +243,11 @@ def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
 def test_heuristic_policy_steps():
     policy = GammaPolicy("heuristic", gamma=3, gamma_max=6)
     policy.start(1)
-    policy.observe(0, drafted=3, accepted=3)
+    policy.observe([0], drafted=[3], accepted=[3])
     assert policy.choose(0) == 5
-    policy.observe(0, drafted=5, accepted=5)
+    policy.observe([0], drafted=[5], accepted=[5])
     assert policy.choose(0) == 6  # capped at gamma_max
-    policy.observe(0, drafted=6, accepted=2)
+    policy.observe([0], drafted=[6], accepted=[2])
     assert policy.choose(0) == 5
     assert policy.acceptance(0)[:3] == [pytest.approx(4 / 5), pytest.approx(4 / 5), pytest.approx(3 / 5)]
 

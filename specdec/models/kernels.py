@@ -204,7 +204,8 @@ def kernel_route(model: nn.Module) -> KernelPath:
         problem = cpu_layer.prepare(stack, p.dtype).problem if isinstance(stack, nn.ModuleList) else "no layer stack"
         glue = "each forward's layers in one C call" if problem is None else f"PyTorch glue between the C kernels ({problem})"
         status = cpu_gemm.build_status()
-        int_dot = any(cpu_quant.FORMATS[m.qtype].int_dot for m in model.modules() if getattr(m, "qtype", None) in cpu_quant.FORMATS)
+        int_dot = any(cpu_quant.FORMATS[q].int_dot for q in (getattr(m, "qtype", None) for m in model.modules())
+                      if q in cpu_quant.FORMATS)
         isa = status["isa"] + (f"; int8 dot products: {status['int_dot']}" if int_dot else "")
         return KernelPath("cpu-exact", True, f"specdec C kernels ({isa}), {p.dtype}: fixed order per row; {glue}")
     return KernelPath("mkl", False, f"PyTorch CPU matmul (MKL) + SDPA, {p.dtype}: blocking picked per shape")

@@ -50,7 +50,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specdec.adaptive import STEP_SAMPLES, StepSeconds, batch_expected_tokens, forward_sizes
+from specdec.adaptive import STEP_SAMPLES, Acceptance, StepSeconds, batch_expected_tokens, blended_rates, forward_sizes
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
@@ -69,62 +69,6 @@ EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed no
 # with EAGLE at 16 clients stayed at gamma 1, 3.5 % slower there than gamma 0 (step medians 130.9 and
 # 74.3 ms at acceptance 0.70), for 178-335 of ~570-680 steps a level once noise had moved it there.
 SWITCH_MARGIN = 0.05
-
-
-@dataclass
-class Acceptance:
-    """Per-position conditional acceptance counts of some rows (the scheduler's: one per slot; the policy's
-    server-wide estimate: one): offered[r, j] = steps where row r's draft slot j was reached (every earlier
-    draft accepted), accepted[r, j] = those where draft j was accepted too. Arrays, so that pricing a batch
-    and counting its step cost tens of microseconds at 64 rows (a Python object a row took 0.4 ms a step on
-    a 2-core CPU: `choose`, and counting the rows and the server-wide estimate)."""
-
-    offered: np.ndarray  # [rows, positions]
-    accepted: np.ndarray  # [rows, positions]
-
-    @classmethod
-    def empty(cls, rows: int, positions: int) -> "Acceptance":
-        return cls(np.zeros((rows, positions)), np.zeros((rows, positions)))
-
-    def __len__(self) -> int:
-        return len(self.offered)
-
-    def take(self, rows: list[int]) -> "Acceptance":
-        """A copy of these rows' counts."""
-        return Acceptance(self.offered[rows], self.accepted[rows])
-
-    def clear(self, row: int) -> None:
-        self.offered[row] = 0.0
-        self.accepted[row] = 0.0
-
-    def observe(self, rows: list[int], budgets: list[int], num_accepted: list[int]) -> None:
-        """A step that allowed row rows[i] (distinct rows) budgets[i] drafts, of which it kept num_accepted[i]."""
-        reached, kept = draft_outcomes(self.offered.shape[1], budgets, num_accepted)
-        self.offered[rows] += reached
-        self.accepted[rows] += kept
-
-    def observe_pooled(self, budgets: list[int], num_accepted: list[int]) -> None:
-        """The same, every row of the step counted into this one row (the server-wide estimate)."""
-        reached, kept = draft_outcomes(self.offered.shape[1], budgets, num_accepted)
-        self.offered[0] += reached.sum(axis=0)
-        self.accepted[0] += kept.sum(axis=0)
-
-    def decay(self, factor: float) -> None:
-        self.offered *= factor
-        self.accepted *= factor
-
-    def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
-        """alpha [rows, positions]: these counts with `weight` pseudo-observations at the prior's rates [positions]."""
-        return (self.accepted + weight * prior) / (self.offered + weight)
-
-
-def draft_outcomes(positions: int, budgets: list[int], num_accepted: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """[rows, positions] each: whether a row's draft slot j was reached (within its budget, every earlier
-    draft accepted; undrafted slots count as rejections) and whether it was accepted too."""
-    j = np.arange(positions)
-    kept = np.asarray(num_accepted)[:, None]  # [rows, 1]
-    reached = j < np.minimum(np.asarray(budgets)[:, None], kept + 1)
-    return reached, reached & (j < kept)
 
 
 @dataclass
@@ -210,9 +154,7 @@ class SpecPolicy:
     threshold: int = 4  # `batch-threshold`: speculate while running requests <= threshold
     costs: BatchCosts | None = None  # `cost`
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens a row verifies (default gamma)
-    prior_weight: float = 4.0  # pseudo-observations of the server-wide rate in a row's estimate
-    decay: float = 0.98  # per step: the server-wide estimate follows the recent traffic
-    overall: Acceptance = field(init=False)
+    overall: Acceptance = field(init=False)  # the server-wide estimate (adaptive.blended_rates)
     draft_s_per_row: float = 0.0  # running mean of drafter seconds per row-step
     draft_samples: int = 0
     steps: StepSeconds = field(default_factory=StepSeconds)  # whole steps measured, by (B, g)
@@ -242,8 +184,7 @@ class SpecPolicy:
         if state.probe_left:  # an exploration's steps: measured afresh
             state.probe_left -= 1
             return state.probe_gamma
-        prior = self.overall.rates(np.full(self.gamma, 0.5), 2.0)[0]  # [gamma]
-        alphas = rows.rates(prior, self.prior_weight)  # [rows, gamma]
+        alphas = blended_rates(rows, self.overall)  # [rows, gamma]
         tokens = batch_expected_tokens(alphas, self.gamma)  # [g]: the batch's expected tokens at gamma g
         rate = {g: float(tokens[g]) / self.step_seconds(B, g) for g in range(self.gamma + 1)}
         best = max(rate, key=rate.get)
@@ -312,8 +253,7 @@ class SpecPolicy:
         self.steps.observe(B, g, seconds, self.predicted_step_s)
 
     def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float) -> None:
-        self.overall.decay(self.decay)
-        self.overall.observe_pooled(budgets, accepted)
+        self.overall.pool(budgets, accepted)
         if any(budgets):
             self.draft_samples += 1
             self.draft_s_per_row += (draft_s / len(budgets) - self.draft_s_per_row) / min(self.draft_samples, 100)

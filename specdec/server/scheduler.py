@@ -55,12 +55,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from specdec.adaptive import Acceptance
 from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams
 from specdec.drafters import Drafter
 from specdec.errors import first_line
 from specdec.server.metrics import ServerMetrics
-from specdec.server.policy import Acceptance, SpecPolicy
+from specdec.server.policy import SpecPolicy
 from specdec.step import Prefill, Stepper, StepReport, new_stepper
 from specdec.transfer import to_device
 
