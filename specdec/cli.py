@@ -488,8 +488,8 @@ def run_rank(args: argparse.Namespace) -> int:
         code = run_serve(args)
     else:
         code = run_generate(args) if args.command == "generate" else run_bench_cmd(args)
-    finish_ranks(shard, wait=args.command != "serve")  # a server's ranks end when rank 0 releases them
-    return code
+    finish_ranks(shard, code, wait=args.command != "serve")  # a server's ranks end when rank 0 releases them
+    return code  # a single rank
 
 
 def set_threads(threads: int | None) -> None:
