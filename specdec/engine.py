@@ -155,9 +155,9 @@ def observe(policy: GammaPolicy, report, idle: list[int] | None) -> None:
     """Tell the gamma policy what each row of a step drafted and kept, and what drafting and the whole step
     (at the gamma it ran) cost; not the costs of a step in which a lazy drafter fed a row far behind
     (`idle`, decode_rows): that feed is the drafter's deferred prefill, which the request pays once if it
-    drafts at all, not a cost of each draft. Counted, the first draft of a request (an EAGLE step of 3.1
-    plain ones, 2-core CPU, native default model) made c 0.7 where steps measure 0.13, and the cost
-    policy never drafted again in that engine."""
+    drafts at all, not a cost of each draft. Counted, the first draft of a request (an EAGLE step of 2.88
+    plain ones, 2-core CPU, native default model) made c 0.532 where drafting steps measure 0.13-0.15,
+    and the cost policy never drafted again in that engine (docs/design.md, "Pricing a step")."""
     drafted = [step.drafted for step in report.rows]
     policy.observe([step.row.slot for step in report.rows], drafted, [step.accepted for step in report.rows])
     caught_up = False
