@@ -124,7 +124,6 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
     the time the steps took. The stepper is left empty for the next call."""
     batch = stepper.batch
     batch.confidence = config.confidence_threshold if config.gamma_policy == "confidence" else None
-    in_flight = 1 if stepper.pipelined and observer is None else 0  # steps launched before reading one
     gammas: list[int] | None = None
     shard = getattr(stepper.target, "shard", SINGLE)
     agree = shard.parallel and policy.cost is not None  # timed choices differ per rank: rank 0's are taken
@@ -138,11 +137,15 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
             chosen = [0 if row.finished else policy.choose(row.slot) for row in rows]
             if agree:
                 chosen = shard.agree(chosen)
+            keep = 1 if stepper.pipelines(max(chosen)) and observer is None else 0  # steps in flight at a launch
+            if len(stepper.in_flight) > keep:  # a host drafter proposes from the last step's tokens
+                observe(policy, stepper.read(), idle)
+                continue  # choose again for the rows that step left
             if chosen != gammas:
                 gammas = chosen
                 batch.gamma[: len(gammas)] = torch.tensor(gammas)
             stepper.launch(max(gammas), observer)
-            if len(stepper.in_flight) > in_flight:
+            if len(stepper.in_flight) > keep:
                 observe(policy, stepper.read(), idle)
         while stepper.in_flight:
             observe(policy, stepper.read(), idle)

@@ -445,6 +445,15 @@ def longest_row(proposal: Proposal) -> int | None:
     return int(drafted.max()) if drafted is not None and drafted.device.type == "cpu" else None
 
 
+def tell(drafter: Drafter, gamma: int) -> bool:
+    """Whether the drafter's commit hears of a step at gamma: a graph-safe drafter's always (its device state
+    follows every token); a host drafter's only where it drafted. At gamma 0 it would only read the kept
+    tokens back, a synchronisation that would stop a GPU's steps from overlapping the host's work (the
+    `suffix` drafter's plain steps under the cost policy ran at 0.53-0.66x plain on an H200); it reads
+    them from the host's rows when it next proposes instead (drafters.base: host drafters)."""
+    return drafter.graphable or gamma > 0
+
+
 class Stepper:
     """Runs prefills and steps over one RowBatch and its target cache. Rows join with `prefill` (whole
     prompts), or with `start_prefill` and then `prefill_chunk` between steps (a long prompt read while
@@ -458,7 +467,6 @@ class Stepper:
         self.target, self.drafter, self.batch, self.cache, self.decode = target, drafter, batch, cache, decode
         self.aux_layers = target_features(drafter)  # asked of every target forward (None: the final hidden states)
         self.graphs = graphs
-        self.pipelined = graphs and drafter.graphable  # a host drafter's propose needs the last step's outcome
         self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.prefill_graphs = (PrefillGraphs(target, aux_layers=self.aux_layers, max_rows=batch.capacity, max_span=cache.max_len)
@@ -475,6 +483,13 @@ class Stepper:
     @property
     def device(self) -> torch.device:
         return self.batch.device
+
+    def pipelines(self, gamma: int) -> bool:
+        """Whether a step at gamma may be launched before the step in flight is read: with graphs, always for
+        a graph-safe drafter; for a host drafter (suffix, lookahead) only at gamma 0, since it proposes from
+        the rows' tokens on the host, which reading the last step brings (and it is not told of steps it
+        did not draft in: `tell`)."""
+        return self.graphs and (self.drafter.graphable or gamma == 0)
 
     @functools.cached_property
     def prefill_stream(self) -> torch.cuda.Stream | None:
@@ -637,7 +652,7 @@ class Stepper:
             watch.mark("verified")
             if captured.commit is not None:
                 captured.commit.replay()
-            else:
+            elif tell(drafter, gamma):
                 drafter.commit(batch, captured.out.verified)
             watch.mark("committed")
             out = captured.out
@@ -727,7 +742,8 @@ class Stepper:
         watch.mark("drafted")
         out = verify(self.target, self.cache, self.batch, proposal, shape, any_sampled, observe, self.aux_layers)
         watch.mark("verified")
-        self.drafter.commit(self.batch, out.verified)
+        if tell(self.drafter, gamma):
+            self.drafter.commit(self.batch, out.verified)
         watch.mark("committed")
         return out
 

@@ -17,7 +17,7 @@ import specdec
 import specdec.verify
 from conftest import DEVICE, build_hf, save_hf, tiny_pair
 from specdec import SamplingParams, SpecConfig
-from specdec.batch import Request, eos_ids
+from specdec.batch import Request, Row, eos_ids
 from specdec.drafters import DrafterOptions, build_drafter
 from specdec.drafters.base import DraftShape, Proposal
 from specdec.drafters.suffix import (
@@ -45,6 +45,11 @@ TREE = {"tree_nodes": 6, "max_children": 2}
 
 def occurrences(texts: list[list[int]], s: list[int]) -> int:
     return sum(t[i : i + len(s)] == s for t in texts for i in range(len(t) - len(s) + 1))
+
+
+def row_state(text: list[int]) -> RowState:
+    """A row whose prompt is `text` and whose index holds it."""
+    return RowState(text, build_automaton(text), Row(0, Request(list(text), max_new_tokens=1), seed=0))
 
 
 def state_of(sam: SuffixAutomaton, s: list[int]) -> int | None:
@@ -128,12 +133,12 @@ def test_draft_length_follows_the_match_length():
     drafter.index = GlobalIndex(100)
     add_request(drafter.index, text)
     chain = DraftShape(width=6, depth=6)
-    assert drafter.best_draft(RowState([5], build_automaton([5])), chain).tokens == [6]
-    assert drafter.best_draft(RowState([3, 4, 5], build_automaton([3, 4, 5])), chain).tokens == [6, 7, 8]
-    assert drafter.best_draft(RowState([9], build_automaton([9])), chain).tokens == []
+    assert drafter.best_draft(row_state([5]), chain).tokens == [6]
+    assert drafter.best_draft(row_state([3, 4, 5]), chain).tokens == [6, 7, 8]
+    assert drafter.best_draft(row_state([9]), chain).tokens == []
     drafter = SuffixDrafter(SuffixConfig(max_spec_factor=4.0))
     add_request(drafter.index, text)
-    assert drafter.best_draft(RowState([5], build_automaton([5])), chain).tokens == [6, 7, 8]
+    assert drafter.best_draft(row_state([5]), chain).tokens == [6, 7, 8]
 
 
 def test_on_equal_scores_the_longer_pattern_drafts():
@@ -142,7 +147,7 @@ def test_on_equal_scores_the_longer_pattern_drafts():
     drafter = SuffixDrafter(SuffixConfig())
     add_request(drafter.index, [1, 2, 5, 7, 8])
     text = [5, 6, 1, 2, 5]
-    row = RowState(text, build_automaton(text))
+    row = row_state(text)
     assert drafter.best_draft(row, DraftShape(width=1, depth=1)).tokens == [7]
     assert drafter.best_draft(row, DraftShape(width=3, depth=3)).tokens == [7, 8]  # a higher score too
 
@@ -150,7 +155,7 @@ def test_on_equal_scores_the_longer_pattern_drafts():
 def test_the_row_drafts_from_its_own_text():
     drafter = SuffixDrafter(SuffixConfig())
     text = [7, 1, 2, 3, 4, 8, 1, 2, 3]
-    draft = drafter.best_draft(RowState(text, build_automaton(text)), DraftShape(width=4, depth=4))
+    draft = drafter.best_draft(row_state(text), DraftShape(width=4, depth=4))
     assert draft.tokens == [4, 8, 1]  # p = 3: the pattern 1 2 3 occurred before, followed by 4 8 1 2 ...
 
 
@@ -314,6 +319,96 @@ def test_a_second_identical_request_through_the_server_accepts_more(models):  # 
         accepted.append(events[-1].usage["speculation"]["accepted"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == MAX_NEW
     assert accepted[1] >= accepted[0] + 10, accepted  # 15 and 31 (at gamma 4, 31 is every draft of 39 tokens)
+
+
+def test_steps_it_did_not_draft_in_reach_its_index_from_the_host(models):  # noqa: F811
+    """A host drafter is not told of steps at gamma 0 (step.tell): a row catches up from the host's row when it
+    next drafts, and a request that ends at gamma 0 enters the global index with its whole output."""
+    target, _, _ = models
+    drafter = build_drafter("suffix", target)
+    stepper = new_stepper(target, drafter, 1, 128, [])
+    batch = stepper.batch
+    (row,) = stepper.prefill([0], [Request(PROMPTS[0], 12)])
+    state = batch.draft[0]
+    for _ in range(4):
+        stepper.launch(0)
+        stepper.read()
+    assert state.text == PROMPTS[0]  # not told: the drafter saw only the prompt
+    drafter.propose(batch, 4, None)
+    held = batch.tokens[0, : int(batch.length[0])].tolist()
+    assert state.text == held == PROMPTS[0] + row.generated and len(row.generated) == 5
+    while batch.busy:
+        stepper.launch(0)
+        stepper.read()
+    whole = PROMPTS[0] + row.generated
+    assert len(whole) == len(PROMPTS[0]) + 12
+    stepper.reset()
+    drafter.retire_released()
+    (sam,) = drafter.index.generations
+    assert state_of(sam, whole) is not None and sam.tokens == len(whole)
+
+
+def pipelined_at_gamma_0(stepper, gamma: int) -> bool:
+    """What Stepper.pipelines gives with CUDA graphs, for the CPU: a host drafter's plain steps overlap."""
+    return stepper.drafter.graphable or gamma == 0
+
+
+def check_rows_read_at_propose(monkeypatch, cls) -> list[int]:
+    """Wrap cls.propose: every running row's tokens are on the host when the drafter proposes (every step in
+    flight was read first). Returns a list that counts the proposals."""
+    original, proposals = cls.propose, []
+
+    def checked(self, batch, gamma, u):
+        for slot, row in batch.rows.items():
+            if slot < batch.capacity and not row.finished and slot in batch.draft:
+                assert row.request.prompt + row.generated == batch.tokens[slot, : int(batch.length[slot])].tolist()
+        proposals.append(gamma)
+        return original(self, batch, gamma, u)
+
+    monkeypatch.setattr(cls, "propose", checked)
+    return proposals
+
+
+def every_third(gamma: int):
+    """A choice of gamma 0, 0, gamma, 0, 0, gamma, ... call after call."""
+    turns = itertools.count()
+    return lambda *args, **kwargs: gamma if next(turns) % 3 == 2 else 0
+
+
+@pytest.mark.parametrize("name", ["suffix", "lookahead"])
+def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, plain, monkeypatch, name):  # noqa: F811
+    """With graphs (here forced on the CPU) a host drafter's plain steps are launched before the step in
+    flight is read, and before a step where it drafts, the engine and the server read every step in flight:
+    it proposes from all of the rows' tokens, and the outputs equal plain decoding."""
+    from specdec.adaptive import GammaPolicy
+    from specdec.drafters.lookahead import LookaheadDrafter
+    from specdec.drafters.suffix import SuffixDrafter
+    from specdec.server.policy import SpecPolicy
+    from specdec.server.scheduler import GenerationRequest, Scheduler, SchedulerConfig
+    from specdec.step import Stepper
+
+    target, _, _ = models
+    monkeypatch.setattr(Stepper, "pipelines", pipelined_at_gamma_0)
+    proposals = check_rows_read_at_propose(monkeypatch, SuffixDrafter if name == "suffix" else LookaheadDrafter)
+    monkeypatch.setattr(GammaPolicy, "choose", every_third(3))
+    engine = specdec.SpecEngine(target, name)
+    out = engine.generate(PROMPTS, SpecConfig(gamma=3, gamma_policy="heuristic", max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in out.rows] == plain and proposals
+
+    proposals.clear()
+    monkeypatch.setattr(SpecPolicy, "choose", every_third(4))
+    scheduler = Scheduler(target, build_drafter(name, target), Codec(), SpecPolicy("on", gamma=4),
+                          SchedulerConfig(max_batch=4, context=128))
+    outputs = [[] for _ in PROMPTS]
+    finals = []
+    for prompt, tokens in zip(PROMPTS, outputs):
+        def emit(event, tokens=tokens):
+            tokens.extend(event.token_ids)
+            finals.append(event.final)
+        scheduler.submit(GenerationRequest(prompt, MAX_NEW, SamplingParams(), (), emit))
+    while sum(finals) < len(PROMPTS):
+        scheduler.turn()
+    assert outputs == plain and proposals
 
 
 class Codec:

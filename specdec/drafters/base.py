@@ -9,6 +9,12 @@ Static shapes: for a given gamma a proposal always has the same shape (`shape(ga
 rows hold, and a `graphable` drafter's `propose`, `commit` and `join` are pure device work (no host
 synchronisation, no data-dependent shapes), so the step that calls them, and a prompt's join
 (step.JoinGraph: `join` over a prefill shape's rows), can be captured in CUDA graphs. Rows that stopped still flow through (masked, never sliced); their state must not change.
+
+A host drafter (not `graphable`: its state is Python on the host) is told only of the steps it drafted in
+(`commit` at gamma > 0, step.tell): a commit at gamma 0 would only read kept tokens back, a synchronisation
+that keeps a GPU's plain steps from overlapping the host's work. It proposes from the rows' tokens as the
+host has read them (`batch.rows`: the request's prompt, then `Row.generated`) or as the device holds them,
+and the steppers' callers read every step in flight before a step in which it drafts (Stepper.pipelines).
 """
 
 from __future__ import annotations

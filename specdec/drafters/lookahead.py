@@ -58,8 +58,9 @@ def add_to_pool(pool: dict, gram: tuple[int, ...], cap: int) -> None:
 
 class LookaheadDrafter:
     """Per slot a RowState on the host (`batch.draft`, keyed by slot): the pool and the Jacobi window
-    are Python structures, so this drafter reads the rows' tokens back every step and its steps run
-    eagerly (graphable = False)."""
+    are Python structures, so this drafter reads the rows' tokens back in every step it drafts in and its
+    steps run eagerly (graphable = False). It is not told of a step that drafted nothing (step.tell); its
+    next proposal pools the text of such steps."""
 
     name = "lookahead"
     graphable = False
@@ -104,7 +105,9 @@ class LookaheadDrafter:
             row.window_nodes = []
             if not active[slot]:
                 continue
-            node_tokens, node_parents, row.window_nodes = self.row_trie(row, row_tokens(batch, slot)[-1], shape.depth)
+            text = row_tokens(batch, slot)
+            self.index_text(row, text)  # the text of the steps it drafted nothing in (not told of them: step.tell)
+            node_tokens, node_parents, row.window_nodes = self.row_trie(row, text[-1], shape.depth)
             tokens[slot, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.long)
             parents[slot, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.long)
             num_nodes[slot] = len(node_tokens)

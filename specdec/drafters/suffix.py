@@ -3,7 +3,7 @@ AI Applications"), training-free. Match the longest suffix of a row's text (the 
 text seen before, then follow its most frequent continuations.
 
 Two indexes, as in the paper:
-- per request: the row's prompt and its output so far (rebuilt at `join`, extended at every `commit`);
+- per request: the row's prompt and its output so far (built at `join`, extended when it drafts);
 - global: earlier requests' prompts and outputs, shared by every row and batch this drafter instance
   serves (the engine's successive `generate` calls, the server's requests), so later requests draft from
   earlier ones. A request enters it once it has left its slot (seen at the next `join`).
@@ -44,8 +44,11 @@ two): the draft length follows the matches, so a large gamma (SuffixDecoding dra
 where a request repeats earlier text) costs nothing in steps whose matches are short, and a step where no
 row matched is a plain step.
 
-The indexes are Python structures on the host, so this drafter reads the rows' new tokens back every step
-and runs eagerly (graphable = False), like `lookahead`.
+The indexes are Python structures on the host, so this drafter runs eagerly (graphable = False), like
+`lookahead`. It reads a row's text from the host's row (the request's prompt, then the tokens the host has
+read, `Row.generated`), catching up when the row drafts and when it leaves, never from the device: a step
+in which it drafts nothing does not call it, so on a GPU such steps overlap the host's work as plain ones do
+(step.tell).
 
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
 max_children; see SuffixConfig.
@@ -61,8 +64,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from specdec.batch import Row
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
-from specdec.drafters.lookahead import row_tokens, rows_in_view
+from specdec.drafters.lookahead import rows_in_view
 from specdec.errors import UserError
 from specdec.verify import TreeSpec
 
@@ -306,8 +310,18 @@ def add_request(index: GlobalIndex, text: list[int]) -> None:
 
 @dataclass
 class RowState:
-    text: list[int]  # the row's prompt and output so far (the last token is the pending one)
+    text: list[int]  # what `automaton` holds: the prompt and output up to the last catch_up
     automaton: SuffixAutomaton  # over `text`
+    host: Row  # the batch's row: its request's prompt, and its output as far as the host has read it
+
+
+def catch_up(row: RowState) -> None:
+    """Index the tokens the row emitted since the last catch-up, read from the host's row (a host drafter is
+    told only of the steps it drafted in, and then before their tokens are read: drafters.base)."""
+    emitted = row.host.generated[len(row.text) - len(row.host.request.prompt) :]
+    row.text += emitted
+    for token in emitted:
+        append_token(row.automaton, token)
 
 
 @dataclass
@@ -345,8 +359,9 @@ class SuffixDrafter:
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
         self.retire_released()
         for slot in slots.tolist():
-            text = row_tokens(batch, slot)
-            batch.draft[slot] = RowState(text, build_automaton(text))
+            host = batch.rows[slot]
+            text = list(host.request.prompt)
+            batch.draft[slot] = RowState(text, build_automaton(text), host)
             self.held.append(Held(batch.draft, slot, batch.draft[slot]))
 
     def forget(self) -> None:
@@ -357,6 +372,7 @@ class SuffixDrafter:
     def retire_released(self) -> None:
         """Add the rows that have left their slots to the global index, in the order they joined."""
         for held in [h for h in self.held if h.released]:
+            catch_up(held.row)  # its host row holds its whole output now
             add_request(self.index, held.row.text)
         self.held = [h for h in self.held if not h.released]
 
@@ -370,6 +386,7 @@ class SuffixDrafter:
         for slot, row in rows_in_view(batch):
             if not active[slot]:
                 continue
+            catch_up(row)
             draft = self.best_draft(row, shape)
             n = len(draft.tokens)
             tokens[slot, :n] = torch.tensor(draft.tokens, dtype=torch.long)
@@ -400,13 +417,7 @@ class SuffixDrafter:
         return best
 
     def commit(self, batch, verified: Verified) -> None:
-        kept, lengths = verified.kept.tolist(), batch.length.tolist()
-        for slot, row in rows_in_view(batch):
-            if kept[slot]:
-                new = batch.tokens[slot, len(row.text) : lengths[slot]].tolist()
-                row.text += new
-                for token in new:
-                    append_token(row.automaton, token)
+        """Nothing to do on the device: a row's kept tokens reach its index from the host (catch_up)."""
 
 
 @register("suffix")

@@ -661,10 +661,11 @@ class Scheduler:
 
     def step(self) -> None:
         """Launch one step over the running rows, then read steps until at most one is in flight: one
-        while the engine-style pipeline is safe (CUDA graphs, a graphable drafter, and either prompts read
-        on a stream of their own (step.prefill_stream) or no request waiting or joining, whose prefill would
-        queue behind the step in flight), so the host reads step n and hands its tokens out while the
-        device runs step n+1; else none. A row that finishes or leaves meanwhile is masked on the device or
+        while the engine-style pipeline is safe (CUDA graphs; a graphable drafter, or a host drafter in a
+        step where it drafts nothing (Stepper.pipelines; before a step where it drafts, the steps in flight
+        are read); and either prompts read on a stream of their own (step.prefill_stream) or no request
+        waiting or joining, whose prefill would queue behind the step in flight), so the host reads step n
+        and hands its tokens out while the device runs step n+1; else none. A row that finishes or leaves meanwhile is masked on the device or
         skipped when its step is read; a different bucket reads the other's steps first."""
         n = self.bucket()
         if self.launched and self.launched[0].n != n:
@@ -677,12 +678,17 @@ class Scheduler:
         gamma = self.policy.choose(self.acceptance.take(drafting), n) if drafting else 0
         if drafting and self.policy.moved:
             self.metrics.count_cost_move(self.policy.moved)
+        if self.launched and not self.ops.stepper(n).pipelines(gamma):
+            self.drain()  # a host drafter proposes from the last step's tokens
+            if not self.running:
+                return
+            n, slots = self.bucket(), sorted(self.running)
         try:
             start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
             self.launched.append(Launch(n, gamma, start))
             beside = self.full.prefill_stream is not None or not self.waiting and self.ops.prefill is None
-            keep = 1 if self.ops.stepper(n).pipelined and beside else 0
+            keep = 1 if self.ops.stepper(n).pipelines(gamma) and beside else 0
             while len(self.launched) > keep:
                 self.read_oldest(admitting=True)
         except Exception:
