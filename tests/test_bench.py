@@ -36,6 +36,18 @@ def results(setup):
     return run_bench(config, progress=False)
 
 
+def test_each_repeat_of_a_drafter_that_learns_across_requests_starts_alike(setup):
+    """suffix learns from every request before: each repeat pass starts from the same state (the prompts before
+    each one in that pass), so a repeat measures again instead of drafting the first pass's output for the same
+    prompt. Greedy: every pass drafts and accepts the same."""
+    target, _, prompts = setup
+    config = BenchConfig(task=str(prompts), limit=None, model=str(target), drafters=("suffix",), gammas=(4,),
+                         peers=(), max_new_tokens=12, device="cpu", chat=False, repeats=2)
+    runs = [r for r in run_bench(config, progress=False)["runs"] if r["method"] == "specdec/suffix/4"]
+    passes = [[(r["task_id"], r["stats"]["drafted"], r["stats"]["accepted"]) for r in runs if r["repeat"] == k] for k in (0, 1)]
+    assert passes[0] == passes[1] and len(passes[0]) == 3
+
+
 def test_every_method_ran_on_every_prompt(results):
     names = [m["name"] for m in results["methods"]]
     assert names[0] == "specdec/none"

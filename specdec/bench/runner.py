@@ -297,6 +297,8 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     total = config.repeats * len(tasks) * len(methods)
     with tqdm(total=total, desc="bench", disable=not progress, unit="run") as bar:
         for repeat in range(config.repeats):
+            if repeat:  # each pass drafts from the same earlier prompts: a repeat measures again, it does not replay
+                runner.forget_requests()
             for task, prompt in zip(tasks, prompts):
                 for method in methods:
                     bar.set_postfix_str(method.name)
