@@ -549,54 +549,38 @@ def add_partials_kernel(parts_ptr, res_ptr, h_ptr, w_ptr, xn_ptr, sq_ptr, M, D, 
 
 
 @triton.jit
-def attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, cache, slot, i, valid, q_pos, window, scale_log2, stride_cs,
-                 HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The online-softmax state (m_i, l_i, acc) after one more block: keys and values at cache slots
-    slot [BLOCK_S] for visible-sequence indices i [BLOCK_S], of which `valid` count."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    kv_offsets = cache + slot[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
-    keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_S, Dh]
-    values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_S, Dh]
-    scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale_log2  # [BLOCK_Q, BLOCK_S]
-    if HAS_WINDOW:
-        valid = valid & (q_pos - i < window)
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
-    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))  # exactly 1 when the max stays
-    p = tl.exp2(scores - m_safe[:, None])  # exactly 0 where not visible
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision="ieee")
-    return m_new, l_i, acc
-
-
-@triton.jit
 def attend_chunk(q, k_ptr, v_ptr, cache, order, lo, hi, window_start, q_pos, window, scale_log2, stride_cs,
                  HAS_ORDER: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     """(max, sum, unnormalised output) of q [BLOCK_Q, Dh] over the visible-sequence indices lo..hi-1
-    (lo a multiple of BLOCK_S), reduced in BLOCK_S blocks from a fresh online-softmax state. The
-    committed slots come first in the visible sequence, at their own slots: blocks wholly before the
-    window read no order table, so only a block reaching into the window waits for an index load."""
+    (lo a multiple of BLOCK_S), reduced in BLOCK_S blocks from a fresh online-softmax state."""
+    offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
-    split = hi  # blocks from `split` on reach into the window
-    if HAS_ORDER:
-        split = tl.minimum(tl.maximum(window_start // BLOCK_S * BLOCK_S, lo), hi)
-    for i0 in range(lo, split, BLOCK_S):  # committed slots 0 .. window_start-1 (a causal block: all)
-        i = i0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] indices into the visible sequence = slots
-        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, cache, i, i, i < hi, q_pos, window, scale_log2,
-                                     stride_cs, HAS_WINDOW, HEAD_DIM)
-    if HAS_ORDER:  # then the window's visible slots in slot order
-        for i0 in range(split, hi, BLOCK_S):
-            i = i0 + tl.arange(0, BLOCK_S)
-            valid = i < hi
+    for i0 in range(lo, hi, BLOCK_S):
+        i = i0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] indices into the visible sequence
+        valid = i < hi
+        if HAS_ORDER:  # committed slots first, then the window's visible slots in slot order
             in_window = i >= window_start
             node = tl.load(order + (i - window_start), mask=valid & in_window, other=0)
             slot = tl.where(in_window, window_start + node, i)
-            m_i, l_i, acc = attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, cache, slot, i, valid, q_pos, window,
-                                         scale_log2, stride_cs, HAS_WINDOW, HEAD_DIM)
+        else:  # a causal block: the visible sequence is slots 0 .. seen-1
+            slot = i
+        kv_offsets = cache + slot[:, None].to(tl.int64) * stride_cs + offs_d[None, :]
+        keys = tl.load(k_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_S, Dh]
+        values = tl.load(v_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_S, Dh]
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale_log2  # [BLOCK_Q, BLOCK_S]
+        if HAS_WINDOW:
+            valid = valid & (q_pos - i < window)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+        alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))  # exactly 1 when the max stays
+        p = tl.exp2(scores - m_safe[:, None])  # exactly 0 where not visible
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision="ieee")
+        m_i = m_new
     return m_i, l_i, acc
 
 
