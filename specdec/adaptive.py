@@ -117,12 +117,12 @@ class StepSeconds:
     seconds scaled by how far this batch size's measured shapes exceeded their predictions (host work,
     tree masks and verification bookkeeping, which timing forwards alone misses).
 
-    `plain_alike`: whether a plain step (gamma 0) not measured yet is scaled like the others. The server
-    times whole steps with its host work, which every step pays: yes. The engine times a step's drafting
-    and verifying only, which for a plain step is its forward, predicted as measured: what its drafting
-    steps add beyond their forwards is theirs alone (a tree's bookkeeping). Scaled by that, a plain step
-    looked dearer than it was, and a policy that keeps drafting never measures one to correct it (the
-    engine drafted Medusa out of domain in 76 % of its steps); one priced too low is chosen, so measured."""
+    Both time whole steps by the host's clock (StepReport.wall_s). `plain_alike`: whether a plain step
+    (gamma 0) not measured yet is scaled like the others: yes for the server, whose policy explores, so
+    measures plain steps too; no for the engine, which does not. Scaled by its drafting steps' excess (a
+    tree's bookkeeping), a plain step looked dearer than it was, and a policy that keeps drafting never
+    measures one to correct it (the engine drafted Medusa out of domain in 76 % of its steps); one priced
+    too low is chosen, so measured."""
 
     plain_alike: bool = True
     seen: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, gamma) -> last step seconds
@@ -177,7 +177,7 @@ class CostModel:
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_s_per_token: float = 0.0  # running mean
     draft_tokens: int = 0
-    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # timed by phase
+    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine does not explore
     rows: int = 1  # the batch size the next steps run at
     pooled: Acceptance = field(default_factory=lambda: Acceptance.empty(1, 1))  # recent steps' acceptance, every row
 
@@ -199,7 +199,7 @@ class CostModel:
         return self.steps.seconds(self.rows, gamma, self.predicted_cost)
 
     def observe_step(self, gamma: int, seconds: float) -> None:
-        """A whole step of `rows` rows at `gamma` took `seconds` (drafting, verifying and committing)."""
+        """A whole step of `rows` rows at `gamma` took `seconds` by the host's clock (StepReport.wall_s)."""
         self.steps.observe(self.rows, gamma, seconds / self.t1, self.predicted_cost)
 
 

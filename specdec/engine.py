@@ -170,4 +170,4 @@ def observe(policy: GammaPolicy, report, idle: list[int] | None) -> None:
             idle[step.row.slot] = 0 if step.drafted else idle[step.row.slot] + 1
     if policy.cost is not None and not caught_up:
         policy.cost.observe_draft(report.draft_s, sum(drafted))
-        policy.cost.observe_step(report.gamma, report.draft_s + report.verify_s)
+        policy.cost.observe_step(report.gamma, report.wall_s)

@@ -274,6 +274,7 @@ class Launched:
     gamma: int  # what the step ran at (0 where the drafter proposed nothing at the gamma asked)
     rows: dict[int, Row] = field(default_factory=dict)  # the rows at launch: a slot freed and taken again
     # before the step is read (a server admits rows while a step is in flight) holds a row it did not run
+    start: float = 0.0  # time.perf_counter() when its launch began
 
 
 @dataclass
@@ -293,6 +294,7 @@ class StepReport:
     verify_s: float
     gamma: int  # what the step ran at (Launched.gamma)
     wait_s: float = 0.0  # the host's wait for this outcome (read)
+    wall_s: float = 0.0  # the step's whole time as the host sees it (Stepper.read): what the cost policies price
 
 
 @dataclass
@@ -472,6 +474,7 @@ class Stepper:
         self.prefill_graphs = (PrefillGraphs(target, aux_layers=self.aux_layers, max_rows=batch.capacity, max_span=cache.max_len)
                                if graphs and graphs_prefill(target) else None)
         self.times = StepTimes()
+        self.last_read = 0.0  # time.perf_counter() when a step was last read
         self.in_flight: deque[Launched] = deque()
         self.spare_host: dict[tuple[int, ...], list[Tensor]] = {}  # pinned outcome buffers already read, by shape
         self.joined: torch.cuda.Event | None = None  # recorded after the last join: its scratch cache is read
@@ -659,7 +662,7 @@ class Stepper:
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
         launched = self.copy_out(out, watch, gamma)
-        launched.rows = dict(batch.rows)
+        launched.rows, launched.start = dict(batch.rows), t
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)
@@ -791,7 +794,10 @@ class Stepper:
         return Launched(to_host(out.packed, host), watch, out.record, gamma)
 
     def read(self) -> StepReport:
-        """Wait for the oldest launched step and hand its outcome to the rows."""
+        """Wait for the oldest launched step and hand its outcome to the rows. Its wall time runs from its
+        launch, or from the last read where that came later (a pipelined step: the device ran it while the
+        host read the one before), to the end of this read: host work and device time as they overlap, and a
+        host drafter's bubble (the device idle while it drafts), which events around the phases miss."""
         launched = self.in_flight.popleft()
         t = time.perf_counter()
         launched.outcome.wait()
@@ -807,7 +813,9 @@ class Stepper:
         if launched.outcome.done is not None:  # read: its pinned buffer can take a later step's outcome
             self.spare_host.setdefault(tuple(host.shape), []).append(host)
         self.times.wait_s += waited - t
-        self.times.host_s += time.perf_counter() - waited
+        now = time.perf_counter()
+        self.times.host_s += now - waited
+        report.wall_s, self.last_read = now - max(launched.start, self.last_read), now
         return report
 
     def absorb(self, packed: list[list[int]], rows: dict[int, Row]) -> list[RowStep]:

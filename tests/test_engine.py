@@ -124,3 +124,30 @@ def test_generate_reuses_its_model_and_engine_across_calls(tmp_path, monkeypatch
     assert [r.token_ids for r in first.rows] == [r.token_ids for r in again.rows] == [r.token_ids for r in other.rows]
     api.clear_cache()
     assert not api.MODELS and not api.ENGINES
+
+
+def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypatch):
+    """The engine's cost policy learns a step's time from its launch to the end of its read (StepReport.wall_s,
+    as the server's does), host work included: handing a step's tokens to the rows, here slowed by 20 ms,
+    counts; the phase timers around drafting and verifying would not see it (nor, on a GPU, a host
+    drafter's bubble)."""
+    import time
+
+    from specdec.adaptive import CostModel
+    from specdec.step import Stepper
+
+    target, _, _ = models
+    absorb, observe_step, seen = Stepper.absorb, CostModel.observe_step, []
+
+    def slow_absorb(self, *args):
+        time.sleep(0.02)
+        return absorb(self, *args)
+
+    def record(self, gamma, seconds):
+        seen.append(seconds)
+        return observe_step(self, gamma, seconds)
+
+    monkeypatch.setattr(Stepper, "absorb", slow_absorb)
+    monkeypatch.setattr(CostModel, "observe_step", record)
+    SpecEngine(target, "ngram").generate([PROMPTS[0]], SpecConfig(gamma_policy="cost", max_new_tokens=8))
+    assert seen and min(seen) >= 0.02

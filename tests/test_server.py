@@ -1017,19 +1017,21 @@ def test_cost_policy_prices_a_step_by_the_slots_it_computes():
     assert policy.choose(rows_accepting(3, 20), slots=32) == 3 and policy.choose(rows_accepting(3, 5), slots=32) == 3
 
 
-def test_cost_policy_times_the_whole_step_launch_included(model):
+def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
     """On the CPU a step runs inside its launch: the step time the cost policy learns from must include it
     (it once started the clock after the launch, and learned ~0.1 ms steps that took 50 ms)."""
+    from specdec.step import Stepper
+
     scheduler = make_scheduler(model, policy="cost", costs=linear_costs())
     seen: list[float] = []
-    observe, launch = scheduler.policy.observe_step_time, scheduler.ops.launch
+    observe, run_phases = scheduler.policy.observe_step_time, Stepper.run_phases
 
-    def slow_launch(*args, **kwargs):
+    def slow_phases(*args, **kwargs):
         time.sleep(0.03)
-        return launch(*args, **kwargs)
+        return run_phases(*args, **kwargs)
 
     scheduler.policy.observe_step_time = lambda B, g, seconds: (seen.append(seconds), observe(B, g, seconds))
-    scheduler.ops.launch = slow_launch
+    monkeypatch.setattr(Stepper, "run_phases", slow_phases)
     finished = threading.Event()
     ids = model.tokenizer(PROMPTS[1])["input_ids"]
     scheduler.start()

@@ -386,7 +386,6 @@ class Scheduler:
         self.waiting: deque[GenerationRequest] = deque()
         self.outgoing: list[Outgoing] = []  # events of the current chunk or step, until hand_over
         self.launched: deque[Launch] = deque()  # steps launched and not read yet, oldest first
-        self.last_read = 0.0  # when the last step was read (a pipelined step's time runs from there)
         self.waited = 0.0  # seconds the decode thread has waited for steps' outcomes
         self.captured_for: tuple[str, int] | None = None  # the policy whose step shapes are captured
         self.ready = threading.Event()  # the decode thread has captured its first step shapes
@@ -684,9 +683,8 @@ class Scheduler:
                 return
             n, slots = self.bucket(), sorted(self.running)
         try:
-            start = time.perf_counter()  # before the launch: on the CPU it runs the whole step
             self.ops.launch(n, gamma, [s for s in slots if not self.running[s].request.speculate])
-            self.launched.append(Launch(n, gamma, start))
+            self.launched.append(Launch(n, gamma))
             beside = self.full.prefill_stream is not None or not self.waiting and self.ops.prefill is None
             keep = 1 if self.ops.stepper(n).pipelines(gamma) and beside else 0
             while len(self.launched) > keep:
@@ -711,14 +709,12 @@ class Scheduler:
         if admitting:
             self.admit_during(launch)
         report = self.ops.read(launch.n)
-        now = time.perf_counter()
         self.waited += report.wait_s
         self.metrics.add_decode_time("wait", report.wait_s)
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
             if launch.timed:
-                self.policy.observe_step_time(launch.n, report.gamma, now - max(launch.start, self.last_read))
+                self.policy.observe_step_time(launch.n, report.gamma, report.wall_s)
             self.absorb_reports([report], launch.gamma)
-        self.last_read = now
         self.remove_finished()
 
     def admit_during(self, launch: Launch) -> None:
@@ -915,7 +911,6 @@ class Launch:
     """A step launched and not read yet."""
     n: int  # its stepper's slots (a bucket)
     gamma: int  # as asked: the rows' draft budgets (the step reports the gamma it ran, for its time)
-    start: float
     timed: bool = True  # False: a prefill ran while it was in flight, so its read times both
 
 
