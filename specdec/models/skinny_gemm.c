@@ -110,6 +110,17 @@ static inline float block_weight(const uint8_t *panel, int wtype, int k, int j) 
 
 const char *specdec_isa(void) { return "avx2"; }
 
+/* Weights come from memory in a decoding step (a model's are larger than the caches), so the kernels of
+ * 1-6 rows prefetch each panel stream PREFETCH_AHEAD bytes on, into L2 (a core keeps more misses in
+ * flight to L2 than to L1, and the hardware's prefetchers stop at every 4 KiB page). PREFETCH_ROW: row
+ * k of a panel, per k; PREFETCH_BLOCK: a GGUF block's lines, per block. Default model, 2-core Intel VM,
+ * a 5-token forward (a verify step): float32 36.1 -> 23.4 ms, native Q4_1 15.2 -> 12.6-13.0; one token:
+ * float32 18.8 -> 18.6, Q4_1 unchanged (7.2-7.4). The one-row GGUF kernel over 4 panels (_wide) is left
+ * without: there it cost 2-3 %. */
+#define PREFETCH_AHEAD 4096
+#define PREFETCH_ROW(w, k) _mm_prefetch((const char *)((w) + (size_t)(k) * NR) + PREFETCH_AHEAD, _MM_HINT_T1);
+#define PREFETCH_BLOCK(blk, bytes)                                                                        \
+    for (int line = 0; line < (bytes); line += 64) _mm_prefetch((const char *)(blk) + PREFETCH_AHEAD + line, _MM_HINT_T1);
 #define LOAD_F32(w, k)                                                                                    \
     const __m256 w0 = _mm256_loadu_ps((w) + (size_t)(k) * NR), w1 = _mm256_loadu_ps((w) + (size_t)(k) * NR + 8);
 /* Interleaving zeros below each bfloat16 widens it (see the bfloat16 panel layout above). */
@@ -139,6 +150,7 @@ const char *specdec_isa(void) { return "avx2"; }
         const WTYPE *restrict w = wv;                                                                     \
         ACCUMULATORS                                                                                      \
         for (int k = 0; k < K; k++) {                                                                     \
+            PREFETCH_ROW(w, k)                                                                            \
             LOAD(w, k)                                                                                    \
             ROW(0, R) ROW(1, R) ROW(2, R) ROW(3, R) ROW(4, R) ROW(5, R)                                   \
         }                                                                                                 \
@@ -171,6 +183,7 @@ const char *specdec_isa(void) { return "avx2"; }
     }
 #define PANEL(LOAD, i)                                                                                    \
     {                                                                                                     \
+        PREFETCH_ROW(w + (i) * pstride, k)                                                                \
         LOAD(w + (i) * pstride, k)                                                                        \
         l##i = _mm256_fmadd_ps(xk, w0, l##i);                                                             \
         h##i = _mm256_fmadd_ps(xk, w1, h##i);                                                             \
@@ -213,6 +226,7 @@ const char *specdec_isa(void) { return "avx2"; }
         const uint8_t *restrict blk = wv;                                                                 \
         ACCUMULATORS                                                                                      \
         for (int k0 = 0; k0 < K; k0 += QK, blk += FMT##_BLOCK) {                                         \
+            PREFETCH_BLOCK(blk, FMT##_BLOCK)                                                              \
             SETUP_##FMT(blk, 0)                                                                           \
             for (int k = k0; k < k0 + QK; k++) {                                                          \
                 LOADQ_##FMT(blk, k - k0, 0)                                                               \
