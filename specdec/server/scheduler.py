@@ -664,8 +664,9 @@ class Scheduler:
         step where it drafts nothing (Stepper.pipelines; before a step where it drafts, the steps in flight
         are read); and either prompts read on a stream of their own (step.prefill_stream) or no request
         waiting or joining, whose prefill would queue behind the step in flight), so the host reads step n
-        and hands its tokens out while the device runs step n+1; else none. A row that finishes or leaves meanwhile is masked on the device or
-        skipped when its step is read; a different bucket reads the other's steps first."""
+        and hands its tokens out while the device runs step n+1; else none. A row that finishes or leaves
+        meanwhile is masked on the device or skipped when its step is read; a different bucket reads the
+        other's steps first."""
         n = self.bucket()
         if self.launched and self.launched[0].n != n:
             self.drain()  # reading the launched steps may finish rows: decide on the rows left
