@@ -124,7 +124,7 @@ def test_a_full_queue_answers_429_and_bad_input_its_4xx(served):
     assert httpx.get(url + "/v1/models", timeout=5).status_code == 401  # no key
 
 
-def test_health_metrics_and_the_admin_switch_are_the_engines(served):
+def test_health_metrics_and_the_admin_calls_are_the_engines(served):
     url, scheduler, _ = served
     health = httpx.get(url + "/health", timeout=5).json()
     assert health["status"] == "ok" and health["drafter"] == "ngram" and health["policy"] == scheduler.policy.name
@@ -137,6 +137,7 @@ def test_health_metrics_and_the_admin_switch_are_the_engines(served):
     bad = post(url, "/admin/spec-policy", {"policy": "bogus"})
     assert bad.status_code == 400 and "unknown speculation policy" in bad.json()["error"]["message"]
     post(url, "/admin/spec-policy", {"policy": "on"})
+    assert post(url, "/admin/forget", {}).json() == {"drafter": "ngram", "forgets": False}  # it learns nothing across requests
 
 
 def test_the_frontend_process_freezes_its_heap_when_the_engine_does(model, served):  # noqa: F811

@@ -261,3 +261,26 @@ def test_bench_serve_defaults_reach_concurrency_64():
     assert LoadPlan((1, 64), ("off",), None, 8, (), 2, per_client=args.requests_per_client).requests_at(16) == 128
     assert LoadPlan((1, 64), ("off",), None, 8, (), 2, per_client=32).requests_at(16) == 512
     assert args.temperature is None and not args.sampling_mix and args.disconnect_fraction == 0.0
+
+
+def test_the_admin_forget_empties_what_suffix_learned_before_the_next_request(model):
+    """bench-serve asks POST /admin/forget before each timed level: the suffix drafter's global index then
+    holds only the level's own requests, never the warm wave's or an earlier level's answers to the same
+    prompts. The decode thread forgets before the next join, so a row retired after the ask is dropped too."""
+    from specdec.drafters import build_drafter
+    from test_server import post
+
+    drafter = build_drafter("suffix", model)
+    scheduler = make_scheduler(model, drafter=drafter)
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6}
+    with serving(scheduler, admin=True) as (url, _):
+        post(url, "/v1/completions", body)
+        post(url, "/v1/completions", body)  # its join added the first request to the index
+        assert drafter.index.tokens > 0
+        assert post(url, "/admin/forget", {}).json() == {"drafter": "suffix", "forgets": True}
+        post(url, "/v1/completions", body)  # forgot before joining: the second request never enters the index
+        assert drafter.index.tokens == 0
+        post(url, "/v1/completions", body)
+        assert drafter.index.tokens > 0  # the third request, retired at this one's join
+    with serving(make_scheduler(model), admin=True) as (url, _):
+        assert post(url, "/admin/forget", {}).json() == {"drafter": "ngram", "forgets": False}

@@ -151,7 +151,9 @@ def post(url: str, body: dict) -> dict:
 
 
 def serve_answers(model: Path, tp: int, cwd: Path, bodies: list[dict]) -> list[str]:
-    """Start `specdec serve` (tp ranks), send `bodies` to /v1/completions concurrently, stop it: the texts."""
+    """Start `specdec serve` (tp ranks), send `bodies` to /v1/completions concurrently, then have the drafter
+    forget (POST /admin/forget: every rank's, or their drafts would part) and send them again, stop it: the
+    texts of both waves."""
     import signal
     import time
     import urllib.request
@@ -162,7 +164,7 @@ def serve_answers(model: Path, tp: int, cwd: Path, bodies: list[dict]) -> list[s
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model", str(model), "--port", str(port),
                                "--drafter", "suffix", "--spec-policy", "on", "--max-batch", "4", "--tp", str(tp),
-                               "--log-level", "warning"],
+                               "--enable-admin", "--log-level", "warning"],
                               cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -176,6 +178,8 @@ def serve_answers(model: Path, tp: int, cwd: Path, bodies: list[dict]) -> list[s
         url = f"http://127.0.0.1:{port}/v1/completions"
         with ThreadPoolExecutor(len(bodies)) as pool:
             answers = list(pool.map(lambda body: post(url, {"model": str(model), **body}), bodies))
+            assert post(f"http://127.0.0.1:{port}/admin/forget", {})["forgets"]
+            answers += list(pool.map(lambda body: post(url, {"model": str(model), **body}), bodies))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)

@@ -38,6 +38,7 @@ from specdec.bench.tasks import Task, is_correct, load_tasks
 from specdec.adaptive import POLICIES
 from specdec.config import SamplingParams, SpecConfig
 from specdec.drafters import DRAFTERS, DrafterOptions
+from specdec.drafters.base import forget_requests, learns_across_requests
 from specdec.drafters.draft_model import is_shared_draft, load_draft
 from specdec.engine import SpecEngine
 from specdec.errors import UserError
@@ -200,7 +201,7 @@ class Runner:
         method for a drafter that learns across requests (suffix), or a gamma would draft from the text
         another gamma just produced for the same prompt."""
         engine = self.by_drafter.get(method.drafter)
-        if engine is None or learns_across_requests(engine):
+        if engine is None or learns_across_requests(engine.drafter):
             engine = SpecEngine(self.target, method.drafter, self.options)
             self.by_drafter.setdefault(method.drafter, engine)
         self.engines[method.name] = engine
@@ -209,8 +210,7 @@ class Runner:
     def forget_requests(self) -> None:
         """Cold-start the drafters that learn across requests (after the warm-up, which ran prompt 0)."""
         for engine in self.engines.values():
-            if learns_across_requests(engine):
-                engine.drafter.forget()
+            forget_requests(engine.drafter)
 
     def encode(self, task: Task) -> list[int]:
         return encode_prompt(self.target.tokenizer, task.prompt, chat=self.config.chat)
@@ -268,10 +268,6 @@ def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Metho
             engines[name] = engines[m.name]
             kept.append(Method(name, m.family, m.drafter, depth, m.policy))
     return kept, notes
-
-
-def learns_across_requests(engine: SpecEngine) -> bool:
-    return getattr(engine.drafter, "learns_across_requests", False)
 
 
 def run_bench(config: BenchConfig, progress: bool = True) -> dict:

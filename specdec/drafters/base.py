@@ -88,6 +88,20 @@ class Drafter(Protocol):
     def commit(self, batch: RowBatch, verified: Verified) -> None: ...
 
 
+def learns_across_requests(drafter: Drafter) -> bool:
+    """Whether the drafter keeps state beyond its rows, learned from earlier requests (suffix's global
+    index), which a benchmark must empty between the methods or passes it compares (`forget`)."""
+    return getattr(drafter, "learns_across_requests", False)
+
+
+def forget_requests(drafter: Drafter) -> bool:
+    """Drop what the drafter learned from earlier requests; whether it had anything to drop."""
+    if not learns_across_requests(drafter):
+        return False
+    drafter.forget()
+    return True
+
+
 class Stateless:
     """Base for drafters with no per-slot state."""
 

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (with `stream: true`: server-sent events in
 OpenAI's chunk format, then `data: [DONE]`; `stream_options.include_usage` adds a usage chunk),
 GET /v1/models, GET /health, GET /metrics (Prometheus text) and, with admin on, POST
-/admin/spec-policy (switch the speculation policy of the running server). With an API key every
+/admin/spec-policy (switch the speculation policy of the running server) and POST /admin/forget (the
+drafter forgets what it learned from earlier requests, before the next one joins: suffix's index). With an API key every
 path but /health needs `Authorization: Bearer KEY` (compared in constant time).
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad JSON or a request
@@ -194,6 +195,10 @@ def create_app(scheduler: Scheduler, settings: AppSettings) -> FastAPI:
                 return await answer(scheduler.switch_policy(body.policy, body.threshold))
             except UserError as e:
                 raise ApiError(400, str(e), "policy") from e
+
+        @app.post("/admin/forget")
+        async def forget():
+            return await answer(scheduler.forget_requests())
 
     return app
 

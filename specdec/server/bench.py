@@ -9,7 +9,9 @@ and its sampling parameters from --temperature, or with --sampling-mix from SAMP
 every set), so the batch holds rows that sample differently. With --disconnect-fraction F,
 floor(n x F) of a level's n requests, evenly spread, close their stream after DISCONNECT_AFTER_CHUNKS
 chunks. Before each level, one untimed wave of c requests (none disconnecting) lets the server capture
-the CUDA graphs of the level's batch bucket, so the level times serving, not capturing. A level's streams
+the CUDA graphs of the level's batch bucket, so the level times serving, not capturing; then the
+drafter forgets what it learned from earlier requests (POST /admin/forget), so a drafter that learns
+across requests (suffix) drafts in a level only from that level's earlier requests. A level's streams
 are shared by client processes (client_processes: for a GPU server one per STREAMS_PER_PROCESS streams,
 at most one per CPU, since one Python process parses about 10k chunks/s and a single one would time
 itself at dozens of streams; for a CPU server one, which leaves it the CPUs it shares on loopback). They
@@ -320,6 +322,16 @@ async def one_request(client, model: str, spec: RequestSpec) -> RequestResult:
     )
 
 
+async def forget_requests(client) -> None:
+    """The drafter forgets what it learned from earlier requests (POST /admin/forget; suffix's index), so
+    a level drafts from its own earlier requests only, never from the warm wave's or an earlier level's
+    answers to the same prompts (as `bench` forgets before each pass)."""
+    response = await client.post("/admin/forget")
+    if response.status_code == 404:
+        raise UserError("the server has no /admin/forget: start it with `specdec serve --enable-admin` (this version)")
+    response.raise_for_status()
+
+
 async def scrape(client) -> dict[str, float]:
     """The server's /metrics, parsed."""
     response = await client.get("/metrics")
@@ -409,6 +421,7 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
         if plan.warmup:
             await warm_wave(client, model, prompts, plan, concurrency)
             await wait_for_idle(client)
+        await forget_requests(client)
         counts = Counts(mp.get_context("spawn"))
         streams = await start_streams(client, url, headers, model, prompts, plan, n, concurrency, counts)
         drivers = streams.done

@@ -43,7 +43,7 @@ from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler
                                       freeze_heap)
 
 log = logging.getLogger("specdec.server")
-CALLS = ("health", "metrics_text", "switch_policy", "stop")  # the Scheduler methods the frontend may call
+CALLS = ("health", "metrics_text", "switch_policy", "forget_requests", "stop")  # the Scheduler methods the frontend may call
 ENGINE_GONE = "the engine process has ended; the server must be restarted"
 
 
@@ -256,6 +256,9 @@ class RemoteScheduler:
 
     def switch_policy(self, name: str, threshold: int | None = None) -> asyncio.Future:
         return self.call("switch_policy", name, threshold)
+
+    def forget_requests(self) -> asyncio.Future:
+        return self.call("forget_requests")
 
     def call(self, method: str, *args) -> asyncio.Future:
         key = next(self.keys)

@@ -25,7 +25,8 @@ from specdec.server.scheduler import BatchOps
 
 log = logging.getLogger("specdec.server")
 STOP = "stop"
-MIRRORED = ("capture_shapes", "start_prefill", "prefill_chunk", "end_prefill", "release", "launch", "read", "forget", "step_alone", "reset")
+MIRRORED = ("capture_shapes", "start_prefill", "prefill_chunk", "end_prefill", "release", "launch", "read", "forget",
+            "forget_requests", "step_alone", "reset")
 
 
 class MirroredOps(BatchOps):

@@ -59,6 +59,7 @@ from specdec.adaptive import Acceptance
 from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams
 from specdec.drafters import Drafter
+from specdec.drafters.base import forget_requests, learns_across_requests
 from specdec.errors import first_line
 from specdec.server.metrics import ServerMetrics
 from specdec.server.policy import SpecPolicy
@@ -344,6 +345,10 @@ class BatchOps:
         """Drop the steps launched on the first n slots unread."""
         self.stepper(n).in_flight.clear()
 
+    def forget_requests(self) -> None:
+        """The drafter forgets what it learned from earlier requests (Scheduler.forget_requests)."""
+        forget_requests(self.full.drafter)
+
     def step_alone(self, n: int, slot: int, gamma: int) -> StepReport:
         """The step with only `slot` active (eagerly), the other rows' activity restored after."""
         active = self.batch.active.clone()
@@ -395,6 +400,7 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         self.watch: StepWatch | None = None  # waits for steps' outcomes beside the decode thread (admit_during)
         self.read_during_step = False  # this turn's prefill chunk was read while the last step ran
+        self.forgetting = False  # forget_requests was asked: the decode thread does it before its next join
 
     # ---- called from other threads ------------------------------------------------------------
 
@@ -431,6 +437,15 @@ class Scheduler:
             self.policies[key] = SpecPolicy(name, old.gamma, key[1], old.costs, widths=old.widths)
         self.policy = self.policies[key]
         return self.policy.describe()
+
+    def forget_requests(self) -> dict:
+        """Have the drafter forget what it learned from earlier requests (suffix's global index), before
+        the next request joins: what `bench-serve` asks before each timed level, so a level does not draft
+        from the answers of the levels before it. Done by the decode thread, which alone touches the
+        drafter."""
+        with self.cond:
+            self.forgetting = learns_across_requests(self.drafter)
+        return {"drafter": self.drafter.name, "forgets": self.forgetting}
 
     def start(self) -> None:
         if self.thread is None:
@@ -549,6 +564,9 @@ class Scheduler:
         start = stepping = time.perf_counter()
         waited = self.waited
         try:
+            if self.forgetting:
+                self.forgetting = False
+                self.ops.forget_requests()
             self.drop_cancelled()
             read_during_step, self.read_during_step = self.read_during_step, False
             if not read_during_step:  # else this turn's chunk was read while the last step ran

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec.server.bench import (Counts, LoadPlan, TargetCheck, busy_requests, check_requests, cost_checks,
-                                  counter_deltas, finish_report, fmt,
+                                  counter_deltas, finish_report, fmt, forget_requests,
                                   format_checks, http_client, markdown_table, optional_pyplot, policy_order, scrape,
                                   results_of, server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
                                   wait_for_idle)
@@ -110,6 +110,7 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
             await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
             await warm_wave(client, model, prompts, plan, concurrency)
         await wait_for_idle(client)
+        await forget_requests(client)  # the turns share what it learns from here on, as one server's load would
         counts = Counts(mp.get_context("spawn"))
         streams = await start_streams(client, url, headers, model, prompts, plan, UNBOUNDED, concurrency, counts)
         t0 = streams.t0
