@@ -67,6 +67,8 @@ class Acceptance:
 
     def observe(self, rows: list[int], budgets: list[int], num_accepted: list[int]) -> None:
         """A step that allowed row rows[i] (distinct rows) budgets[i] drafts, of which it kept num_accepted[i]."""
+        if not any(budgets):  # a plain step: nothing to count (the policy's host work runs every step)
+            return
         reached, kept = draft_outcomes(self.offered.shape[1], budgets, num_accepted)
         self.offered[rows] += reached
         self.accepted[rows] += kept
@@ -74,16 +76,22 @@ class Acceptance:
     def pool(self, budgets: list[int], num_accepted: list[int]) -> None:
         """A pooled estimate's step (one row: every row of the step counted into it), after its earlier
         counts decayed by POOL_DECAY, so that it follows the recent traffic."""
-        reached, kept = draft_outcomes(self.offered.shape[1], budgets, num_accepted)
         self.offered *= POOL_DECAY
         self.accepted *= POOL_DECAY
+        if not any(budgets):
+            return
+        reached, kept = draft_outcomes(self.offered.shape[1], budgets, num_accepted)
         self.offered[0] += reached.sum(axis=0)
         self.accepted[0] += kept.sum(axis=0)
 
     def widened(self, positions: int) -> "Acceptance":
-        """These counts with at least `positions` positions (the new ones never observed)."""
-        extra = max(0, positions - self.offered.shape[1])
-        return Acceptance(np.pad(self.offered, ((0, 0), (0, extra))), np.pad(self.accepted, ((0, 0), (0, extra))))
+        """These counts with at least `positions` positions (the new ones never observed); itself if it has
+        them (np.pad took most of the server's `choose`, which asks at every step)."""
+        extra = positions - self.offered.shape[1]
+        if extra <= 0:
+            return self
+        zeros = np.zeros((len(self.offered), extra))
+        return Acceptance(np.hstack((self.offered, zeros)), np.hstack((self.accepted, zeros)))
 
     def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
         """alpha [rows, positions]: these counts with `weight` pseudo-observations at the prior's rates [positions]."""
