@@ -84,6 +84,9 @@ class Acceptance:
         self.offered[0] += reached.sum(axis=0)
         self.accepted[0] += kept.sum(axis=0)
 
+    def same_counts(self, other: "Acceptance") -> bool:
+        return np.array_equal(self.offered, other.offered) and np.array_equal(self.accepted, other.accepted)
+
     def widened(self, positions: int) -> "Acceptance":
         """These counts with at least `positions` positions (the new ones never observed); itself if it has
         them (np.pad took most of the server's `choose`, which asks at every step)."""

@@ -27,7 +27,7 @@ from specdec.server.app import AppSettings, Reply, create_app, sse
 from specdec.server.metrics import parse_metrics
 from specdec.adaptive import PRIOR_WEIGHT, STEP_SAMPLES, Acceptance, batch_expected_tokens, blended_rates, expected_tokens
 from specdec.batch import TOP_K_BOUND
-from specdec.server.policy import EXPLORE_EVERY, SWITCH_MARGIN, BatchCosts, SpecPolicy, measure_batch_costs
+from specdec.server.policy import EXPLORE_EVERY, REPRICE_EVERY, SWITCH_MARGIN, BatchCosts, SpecPolicy, measure_batch_costs
 from specdec.server.scheduler import Codec, Detokenized, Event, GenerationRequest, Scheduler, SchedulerConfig
 from test_step import make_drafter
 
@@ -902,11 +902,26 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
         fresh.choose(rows_accepting(3, 1))
         moves.append(fresh.moved)
     assert [(i, m) for i, m in enumerate(moves) if m] == [(EXPLORE_EVERY - 1, "probe")]  # its other steps: no move
-    policy.draft_s_per_row = 0.0  # drafting pays again: the policy drafts, and the wait starts over
-    assert policy.choose(rows_accepting(3, 1)) == 3
+    policy.draft_s_per_row = 0.0  # drafting pays again: the policy drafts once it prices the gammas again
+    chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(REPRICE_EVERY + 1)]
+    assert chosen[-1] == 3 and chosen.count(3) <= REPRICE_EVERY  # and the wait starts over
     policy.draft_s_per_row = 100.0
     chosen = [policy.choose(rows_accepting(3, 1)) for _ in range(EXPLORE_EVERY)]
     assert [i for i, g in enumerate(chosen) if g] == [EXPLORE_EVERY - 1]
+
+
+def test_cost_policy_at_gamma_0_prices_again_when_the_rows_change():
+    """At gamma 0 `cost` prices the gammas again every REPRICE_EVERY steps, or at once when the rows' counts
+    change (a request joined or left): pricing every plain step left it 1 % behind `off` on a CPU."""
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    assert policy.choose(rows_accepting(0, 1)) == 0  # nothing accepted: plain
+    policy.draft_s_per_row, policy.draft_samples = 100.0, 1
+    assert policy.choose(rows_accepting(3, 1)) == 0  # the rows changed: priced, and drafting is too dear
+    policy.draft_s_per_row = 0.0
+    assert [policy.choose(rows_accepting(3, 1)) for _ in range(REPRICE_EVERY + 1)] == [0] * REPRICE_EVERY + [3]
+    policy = SpecPolicy("cost", gamma=3, costs=linear_costs())
+    assert policy.choose(rows_accepting(0, 1)) == 0
+    assert policy.choose(rows_accepting(3, 1)) == 3  # a row that accepts everything joined: drafts at once
 
 
 def test_cost_policy_keeps_each_buckets_exploration_wait():
