@@ -20,7 +20,8 @@ becomes compute-bound and every rejected draft token is work taken from other re
   steps measured so far at this batch size exceeded their prediction (host work, bookkeeping).
   alpha_bj blends the row's own acceptance with a server-wide running estimate. Gamma 0 wins when
   speculation no longer pays. A position the drafter left empty (no n-gram match) counts as rejected,
-  so E_b reflects what the drafter really delivers.
+  so E_b reflects what the drafter really delivers. At gamma 0 the gammas are priced again only when the
+  rows' counts change or every REPRICE_EVERY steps (pricing is most of the policy's host work per step).
 
   It explores: after EXPLORE_EVERY steps in a row at one gamma, STEP_SAMPLES steps run at the best other
   gamma, whose earlier measurements they replace, so estimates that a prediction, a slow first step
