@@ -328,7 +328,7 @@ async def forget_requests(client) -> None:
     answers to the same prompts (as `bench` forgets before each pass)."""
     response = await client.post("/admin/forget")
     if response.status_code == 404:
-        raise UserError("the server has no /admin/forget: start it with `specdec serve --enable-admin` (this version)")
+        raise UserError("the server has no POST /admin/forget: start it with `specdec serve --enable-admin` (specdec of this version or later)")
     response.raise_for_status()
 
 
