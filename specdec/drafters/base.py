@@ -94,12 +94,10 @@ def learns_across_requests(drafter: Drafter) -> bool:
     return getattr(drafter, "learns_across_requests", False)
 
 
-def forget_requests(drafter: Drafter) -> bool:
-    """Drop what the drafter learned from earlier requests; whether it had anything to drop."""
-    if not learns_across_requests(drafter):
-        return False
-    drafter.forget()
-    return True
+def forget_requests(drafter: Drafter) -> None:
+    """Drop what the drafter learned from earlier requests, if it learns any."""
+    if learns_across_requests(drafter):
+        drafter.forget()
 
 
 class Stateless:

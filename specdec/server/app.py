@@ -4,8 +4,8 @@ Endpoints: POST /v1/completions and /v1/chat/completions (with `stream: true`: s
 OpenAI's chunk format, then `data: [DONE]`; `stream_options.include_usage` adds a usage chunk),
 GET /v1/models, GET /health, GET /metrics (Prometheus text) and, with admin on, POST
 /admin/spec-policy (switch the speculation policy of the running server) and POST /admin/forget (the
-drafter forgets what it learned from earlier requests, before the next one joins: suffix's index). With an API key every
-path but /health needs `Authorization: Bearer KEY` (compared in constant time).
+drafter forgets what it learned from earlier requests, before the next one joins: suffix's index).
+With an API key every path but /health needs `Authorization: Bearer KEY` (compared in constant time).
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad JSON or a request
 this server cannot serve (unknown model, prompt + max_tokens over the context, n > 1, logprobs),

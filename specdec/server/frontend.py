@@ -43,7 +43,8 @@ from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler
                                       freeze_heap)
 
 log = logging.getLogger("specdec.server")
-CALLS = ("health", "metrics_text", "switch_policy", "forget_requests", "stop")  # the Scheduler methods the frontend may call
+# the Scheduler methods the frontend may call
+CALLS = ("health", "metrics_text", "switch_policy", "forget_requests", "stop")
 ENGINE_GONE = "the engine process has ended; the server must be restarted"
 
 
