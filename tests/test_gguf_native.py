@@ -51,16 +51,17 @@ def test_dequantised_weights_are_gguf_reference_bits(qtype):
 @pytest.mark.parametrize("qtype", FORMATS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_products_equal_the_float32_kernel_for_any_number_of_rows(qtype, threads):
-    """Rows 1-6 run the block kernels, 7+ dequantise panels first, 1 row runs WIDE panels: every path
-    gives a row the float32 kernel's bits on the dequantised weight, alone or beside others."""
+    """Rows 1-6 run the block kernels, 1 row runs WIDE panels, 7+ run chunks of 16 rows (AVX-512) or
+    dequantise panels first: every path gives a row the float32 kernel's bits on the dequantised weight,
+    alone or beside others (33 rows: two full chunks of 16 and one row)."""
     torch.set_num_threads(threads)
     N, K = 72, 128
     raw = gguf_rows(N, K, qtype, seed=2)
     packed = cpu_quant.pack_blocks(torch.from_numpy(raw), qtype)
     w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]))
     bias = cpu_gemm.pad_bias(torch.randn(N), packed)
-    x = torch.randn(13, K, generator=torch.Generator().manual_seed(3))
-    for M in range(1, 14):
+    x = torch.randn(33, K, generator=torch.Generator().manual_seed(3))
+    for M in [*range(1, 18), 23, 32, 33]:
         y = cpu_gemm.gemm(x[:M], packed, bias, N, qtype=qtype)
         assert torch.equal(y, cpu_gemm.gemm(x[:M], cpu_gemm.pack(w), bias, N))
         assert torch.equal(y[-1], cpu_gemm.gemm(x[M - 1 : M], packed, bias, N, qtype=qtype)[0])
