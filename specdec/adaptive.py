@@ -115,10 +115,20 @@ def blended_rates(rows: Acceptance, pooled: Acceptance) -> np.ndarray:
     """alpha [rows, positions] of the cost policies (the engine's and the server's): each row's own counts
     with PRIOR_WEIGHT pseudo-observations at the pooled rate of recent steps of every row, itself
     FRESH_WEIGHT pseudo-observations at FRESH_RATE. A new request starts from what recent requests
-    accepted, and a pooled estimate that no draft has fed for a while returns to FRESH_RATE."""
+    accepted, and a pooled estimate that no draft has fed for a while returns to FRESH_RATE.
+
+    Below the first position, a row's prior is no lower than its own estimate one position up where it has
+    drafted that far: past its deepest drafts, what it accepted just above counts. Without that, positions
+    past the recent drafts sat at the pooled rate (FRESH_RATE once it decayed), and a row repeating earlier
+    text climbed one position every several steps: `suffix` on a repeated GSM8K prompt (CPU, engine)
+    drafted 2 tokens a step for all 42 steps of its answer, every one accepted."""
     positions = rows.offered.shape[1]
     prior = pooled.widened(positions).rates(np.full(positions, FRESH_RATE), FRESH_WEIGHT)[0, :positions]
-    return rows.rates(prior, PRIOR_WEIGHT)
+    rates = rows.rates(prior, PRIOR_WEIGHT)  # [rows, positions]
+    own = np.where(rows.offered[:, :-1] > 0, rates[:, :-1], 0.0)  # [rows, positions - 1]: where the row drafted
+    deeper = np.maximum(prior[1:], own)
+    rates[:, 1:] = (rows.accepted[:, 1:] + PRIOR_WEIGHT * deeper) / (rows.offered[:, 1:] + PRIOR_WEIGHT)
+    return rates
 
 
 @dataclass
