@@ -13,7 +13,7 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import FRESH_RATE, FRESH_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
+from specdec.adaptive import FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -201,24 +201,27 @@ def test_the_cost_policy_starts_a_request_from_recent_acceptance():
     assert policy.acceptance(0) == pytest.approx([FRESH_RATE] * 3, abs=1e-2)
 
 
-def test_a_row_that_kept_every_draft_is_priced_one_position_deeper():
-    """Past the deepest position a row has drafted, its estimate starts from its own rate one position up,
-    not only from the pooled one (FRESH_RATE here: nothing pooled): a row that kept both drafts of five
-    steps expects a third, so the cost policy drafts 3; the position after that stays at the pooled rate
-    until the row gets there. A row that never reached a position lifts nothing below it."""
-    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.45, 5: 1.8}, t1=0.05)
+def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
+    """Past the deepest position a row has drafted, its prior is the pooled rate there scaled up by how far
+    the row beat the pooled rate one position above: after recent rows kept about half their drafts, a row
+    that kept both drafts of five steps expects a third more than the pooled rate says, and the cost
+    policy drafts 3 where the pooled rate alone gives 2. The position below that stays at the pooled rate
+    until the row drafts there, and a row no better than the pool is not lifted."""
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.4, 5: 1.8}, t1=0.05)
     policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
-    policy.start(2)
-    for _ in range(5):
-        policy.observe([0, 1], drafted=[2, 2], accepted=[2, 0])
-    kept, rejected = policy.acceptance(0), policy.acceptance(1)
-    pooled = cost.pooled.rates(np.full(4, FRESH_RATE), FRESH_WEIGHT)[0]  # no draft reached positions 3 and 4
-    assert pooled[2:] == pytest.approx([FRESH_RATE] * 2)
-    assert kept[2] == pytest.approx(kept[1]) and kept[2] > 0.8
-    assert kept[3] == pytest.approx(FRESH_RATE)
-    assert best_gamma(kept, cost) == 3
-    assert best_gamma(kept[:2] + list(pooled[2:]), cost) == 2  # the pooled rates alone past position 2
-    assert rejected[0] < FRESH_RATE and rejected[2] == pytest.approx(pooled[2])  # it never reached position 2
+    policy.start(1)
+    for i in range(30):  # recent requests: kept 0, 1 or 2 of 2 drafts
+        policy.observe([0], drafted=[2], accepted=[i % 3])
+    policy.start(2)  # the next call
+    for i in range(5):
+        policy.observe([0, 1], drafted=[2, 2], accepted=[2, i % 3])
+    kept, average = policy.acceptance(0), policy.acceptance(1)
+    pooled = cost.pooled.rates(np.full(4, FRESH_RATE), FRESH_WEIGHT)[0]
+    unlifted = policy.counts.rates(pooled, PRIOR_WEIGHT)  # [2, 4]: the rows' counts at the pooled rates alone
+    assert kept[0] == pytest.approx(unlifted[0, 0]) and kept[1] >= unlifted[0, 1] and kept[2] > unlifted[0, 2] + 0.1
+    assert kept[3] == pytest.approx(unlifted[0, 3])
+    assert best_gamma(kept, cost) == 3 and best_gamma(list(unlifted[0]), cost) == 2
+    assert average[2:] == pytest.approx(list(unlifted[1, 2:]), abs=0.05)
 
 
 def test_a_lazy_drafters_catch_up_is_not_priced_as_drafting():
