@@ -1032,6 +1032,8 @@ def test_cost_policy_prices_a_step_by_the_slots_it_computes():
     assert policy.choose(rows_accepting(3, 20), slots=32) == 3 and policy.choose(rows_accepting(3, 5), slots=32) == 3
 
 
+@pytest.mark.skipif(torch.device(DEVICE).type == "cuda", reason="a CPU step runs in its launch; a graphed one replays "
+                    "without run_phases, and a pipelined one is timed from the last read (Stepper.read)")
 def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
     """On the CPU a step runs inside its launch: the step time the cost policy learns from must include it
     (it once started the clock after the launch, and learned ~0.1 ms steps that took 50 ms)."""
