@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 import warnings
 from collections import deque
@@ -275,6 +276,15 @@ class Launched:
     rows: dict[int, Row] = field(default_factory=dict)  # the rows at launch: a slot freed and taken again
     # before the step is read (a server admits rows while a step is in flight) holds a row it did not run
     start: float = 0.0  # time.perf_counter() when its launch began
+    serial: int = 0  # unique over every stepper (LAUNCHES)
+
+
+LAUNCHES = itertools.count(1)  # launch serials: a host drafter tells its own steps in flight by them (RowBatch.in_flight)
+
+
+def steps_in_flight(in_flight: deque[Launched], rows: dict[int, Row]) -> dict[int, int]:
+    """{slot: serial of the latest step in flight over the row there} for the rows still in their slots."""
+    return {slot: launched.serial for launched in in_flight for slot, row in launched.rows.items() if rows.get(slot) is row}
 
 
 @dataclass
@@ -447,6 +457,13 @@ def longest_row(proposal: Proposal) -> int | None:
     return int(drafted.max()) if drafted is not None and drafted.device.type == "cpu" else None
 
 
+def drafts_ahead(drafter: Drafter) -> bool:
+    """Whether a host drafter can propose while a step is in flight, from the rows' tokens as the host last
+    read them and its own drafts in that step (suffix's chains: drafters.suffix, align_guesses), so that its
+    drafting steps overlap the host's work on a GPU as plain ones do."""
+    return getattr(drafter, "drafts_ahead", False)
+
+
 def tell(drafter: Drafter, gamma: int) -> bool:
     """Whether the drafter's commit hears of a step at gamma: a graph-safe drafter's always (its device state
     follows every token); a host drafter's only where it drafted. At gamma 0 it would only read the kept
@@ -489,10 +506,10 @@ class Stepper:
 
     def pipelines(self, gamma: int) -> bool:
         """Whether a step at gamma may be launched before the step in flight is read: with graphs, always for
-        a graph-safe drafter; for a host drafter (suffix, lookahead) only at gamma 0, since it proposes from
-        the rows' tokens on the host, which reading the last step brings (and it is not told of steps it
-        did not draft in: `tell`)."""
-        return self.graphs and (self.drafter.graphable or gamma == 0)
+        a graph-safe drafter; for a host drafter (suffix, lookahead) at gamma 0, and where it drafts only if it
+        `drafts_ahead` (suffix's chains): else it proposes from the rows' tokens on the host, which reading
+        the last step brings (and it is not told of steps it did not draft in: `tell`)."""
+        return self.graphs and (self.drafter.graphable or gamma == 0 or drafts_ahead(self.drafter))
 
     @functools.cached_property
     def prefill_stream(self) -> torch.cuda.Stream | None:
@@ -603,8 +620,8 @@ class Stepper:
         else:
             join_rows(batch, self.cache, self.drafter, index, first, sampled, p.scratch.k[:, lo:hi], p.scratch.v[:, lo:hi],
                       p.hidden[lo:hi], T)
-        if not self.drafter.graphable:
-            self.drafter.join(batch, index, p.hidden[lo:hi, :T])
+        if not self.drafter.graphable:  # the slots from the host: reading `index` would wait for the step in flight
+            self.drafter.join(batch, torch.tensor([r.slot for r in rows]), p.hidden[lo:hi, :T])
         if self.prefill_stream is not None:
             self.joined = torch.cuda.Event()
             self.joined.record()
@@ -642,6 +659,7 @@ class Stepper:
         watch = Stopwatch(self.device)
         watch.mark("start")
         proposal = None
+        batch.serial, batch.in_flight = next(LAUNCHES), steps_in_flight(self.in_flight, batch.rows)
         if gamma and not (graphed and drafter.graphable):  # proposed first: what was drafted may settle the step's shape
             gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled), any_sampled)
         if graphed:
@@ -662,7 +680,7 @@ class Stepper:
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
         launched = self.copy_out(out, watch, gamma)
-        launched.rows, launched.start = dict(batch.rows), t
+        launched.rows, launched.start, launched.serial = dict(batch.rows), t, batch.serial
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)

@@ -16,8 +16,10 @@ from torch import Tensor
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
-    """values (a list of numbers) as a tensor on `device`, without waiting for the work queued there."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """values (a list of numbers, or a host tensor) as a tensor on `device`, without waiting for the work
+    queued there."""
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=dtype)
+    return host.to(device, non_blocking=True)
 
 
 def fill_slot(t: Tensor, slot: int, value) -> None:

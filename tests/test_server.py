@@ -595,7 +595,7 @@ def test_a_pipelined_step_that_finishes_rows_while_the_bucket_shrinks(model, tmp
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="the waits are CUDA's")
-@pytest.mark.parametrize("drafter", ["none", "eagle", "medusa"])
+@pytest.mark.parametrize("drafter", ["none", "eagle", "medusa", "suffix"])
 def test_the_decode_loop_waits_for_the_device_only_to_read(model, drafter, caplog):
     """specdec/transfer.py: a host value written into a device tensor through indexing waits for every
     queued kernel, so with a step in flight the host would stall for the rest of it. Under torch's sync

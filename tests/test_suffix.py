@@ -22,6 +22,7 @@ from specdec.drafters import DrafterOptions, build_drafter
 from specdec.drafters.base import DraftShape, Proposal
 from specdec.drafters.suffix import (
     GlobalIndex,
+    Guess,
     Match,
     RowState,
     SuffixAutomaton,
@@ -29,14 +30,17 @@ from specdec.drafters.suffix import (
     SuffixDrafter,
     add_request,
     add_text,
+    align_guesses,
     build_automaton,
+    drafted_from,
     grow_draft,
     match_own_text,
     match_pattern,
 )
+import specdec.drafters.suffix as suffix_module
 from specdec.errors import UserError
 from specdec.models import load_model
-from specdec.step import narrow, narrow_gammas, new_stepper
+from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
 
@@ -124,6 +128,45 @@ def test_the_draft_follows_the_most_frequent_continuation():
     assert tree.tokens == [c, e, d, f] and tree.parents == [-1, 0, -1, 0]  # best-first: 3/4, 1/2, 1/4, 1/4
     assert grow_draft(sam, match, 4, 4, 2, min_token_prob=0.3).tokens == [c, e]  # d and f fall below 0.3
     assert grow_draft(sam, match, 4, 1, 2, min_token_prob=0.0).tokens == [c, d]  # depth bound
+
+
+def test_a_match_extends_past_the_text_through_tokens_not_in_it():
+    """Drafting ahead matches the row's text followed by the draft of the step in flight."""
+    sam = build_automaton([5, 6, 7, 8, 5, 6])
+    assert match_own_text(sam) == Match(state_of(sam, [5, 6]), 2)
+    assert match_own_text(sam, [7]) == Match(state_of(sam, [5, 6, 7]), 3)  # 5 6 7 -> 8
+    assert match_own_text(sam, [9]) == Match(0, 0)  # 9 occurs nowhere: no pattern
+    assert match_own_text(sam, [7, 8, 5]) == Match(state_of(sam, [5, 6, 7, 8, 5]), 5)
+
+
+def test_a_guess_is_aligned_alike_on_the_host_and_the_device():
+    """align_guesses (the device, with a step's kept tokens already appended) and drafted_from (the host,
+    later) agree on every case: the step kept the guess's first tokens, fewer, others, or none yet."""
+    rng = random.Random(0)
+    S, G, k = 40, 9, 4
+    cases = []
+    for _ in range(200):
+        text = [rng.randrange(5) for _ in range(rng.randrange(3, 20))]
+        guess = [rng.randrange(5) for _ in range(rng.randrange(0, G + 1))]
+        off = rng.randrange(0, 6)
+        kept = guess[:off] if rng.random() < 0.6 else [rng.randrange(5) for _ in range(off)]
+        cases.append((text, guess, text + kept, rng.randrange(0, k + 1)))
+    tokens = torch.zeros(len(cases), S, dtype=torch.long)
+    packed = torch.zeros(len(cases), G, dtype=torch.long)
+    for b, (text, guess, now, _) in enumerate(cases):
+        tokens[b, : len(now)] = torch.tensor(now)
+        packed[b, : len(guess)] = torch.tensor(guess, dtype=torch.long)
+    length = torch.tensor([len(now) for _, _, now, _ in cases])
+    anchor = torch.tensor([len(text) for text, _, _, _ in cases])
+    size = torch.tensor([len(guess) for _, guess, _, _ in cases])
+    drafts, num = align_guesses(tokens, length, packed, anchor, size, k)
+    hits = 0
+    for b, (text, guess, now, limit) in enumerate(cases):
+        expected = drafted_from(Guess(guess, len(text), limit, serial=1), now)
+        n = min(int(num[b]), limit)
+        assert drafts[b, :n].tolist() == expected, (text, guess, now, limit)
+        hits += bool(expected)
+    assert 20 < hits < 180
 
 
 def test_draft_length_follows_the_match_length():
@@ -348,9 +391,10 @@ def test_steps_it_did_not_draft_in_reach_its_index_from_the_host(models):  # noq
     assert state_of(sam, whole) is not None and sam.tokens == len(whole)
 
 
-def pipelined_at_gamma_0(stepper, gamma: int) -> bool:
-    """What Stepper.pipelines gives with CUDA graphs, for the CPU: a host drafter's plain steps overlap."""
-    return stepper.drafter.graphable or gamma == 0
+def pipelined_as_with_graphs(stepper, gamma: int) -> bool:
+    """What Stepper.pipelines gives with CUDA graphs, for the CPU: a host drafter's plain steps overlap, and so
+    do the drafting steps of one that drafts ahead."""
+    return stepper.drafter.graphable or gamma == 0 or drafts_ahead(stepper.drafter)
 
 
 def check_rows_read_at_propose(monkeypatch, cls) -> list[int]:
@@ -375,11 +419,12 @@ def every_third(gamma: int):
     return lambda *args, **kwargs: gamma if next(turns) % 3 == 2 else 0
 
 
-@pytest.mark.parametrize("name", ["suffix", "lookahead"])
+@pytest.mark.parametrize("name", ["suffix-tree", "lookahead"])
 def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, plain, monkeypatch, name):  # noqa: F811
     """With graphs (here forced on the CPU) a host drafter's plain steps are launched before the step in
-    flight is read, and before a step where it drafts, the engine and the server read every step in flight:
-    it proposes from all of the rows' tokens, and the outputs equal plain decoding."""
+    flight is read, and before a step where it drafts (unless it drafts ahead), the engine and the server
+    read every step in flight: it proposes from all of the rows' tokens, and the outputs equal plain
+    decoding."""
     from specdec.adaptive import GammaPolicy
     from specdec.drafters.lookahead import LookaheadDrafter
     from specdec.drafters.suffix import SuffixDrafter
@@ -388,16 +433,17 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     from specdec.step import Stepper
 
     target, _, _ = models
-    monkeypatch.setattr(Stepper, "pipelines", pipelined_at_gamma_0)
+    name, options = ("suffix", DrafterOptions(extra=TREE)) if name == "suffix-tree" else (name, DrafterOptions())
+    monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
     proposals = check_rows_read_at_propose(monkeypatch, SuffixDrafter if name == "suffix" else LookaheadDrafter)
     monkeypatch.setattr(GammaPolicy, "choose", every_third(3))
-    engine = specdec.SpecEngine(target, name)
+    engine = specdec.SpecEngine(target, name, options)
     out = engine.generate(PROMPTS, SpecConfig(gamma=3, gamma_policy="heuristic", max_new_tokens=MAX_NEW))
     assert [r.token_ids for r in out.rows] == plain and proposals
 
     proposals.clear()
     monkeypatch.setattr(SpecPolicy, "choose", every_third(4))
-    scheduler = Scheduler(target, build_drafter(name, target), Codec(), SpecPolicy("on", gamma=4),
+    scheduler = Scheduler(target, build_drafter(name, target, options), Codec(), SpecPolicy("on", gamma=4),
                           SchedulerConfig(max_batch=4, context=128))
     outputs = [[] for _ in PROMPTS]
     finals = []
@@ -409,6 +455,56 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     while sum(finals) < len(PROMPTS):
         scheduler.turn()
     assert outputs == plain and proposals
+
+
+def count_drafted_ahead(monkeypatch) -> list[int]:
+    """Wrap drafted_from: the lengths of the drafts a row's chain was guessed on from (a step in flight)."""
+    lengths, original = [], suffix_module.drafted_from
+
+    def counted(guess, text):
+        drafted = original(guess, text)
+        lengths.append(len(drafted))
+        return drafted
+
+    monkeypatch.setattr(suffix_module, "drafted_from", counted)
+    return lengths
+
+
+@pytest.mark.parametrize("gamma", [4, 16])
+def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, gamma):
+    """With graphs (forced on the CPU) a suffix chain is proposed while the step before is in flight, as a
+    guess past that step's draft that the device aligns with what the step kept; on a near-tie target, in
+    the engine (one prompt, then all three twice: the global index grows) and the server (all three, then
+    again), the outputs equal plain decoding, and the repeats draft ahead from whole drafts in flight."""
+    from specdec.server.policy import SpecPolicy
+    from specdec.server.scheduler import GenerationRequest, Scheduler, SchedulerConfig
+    from specdec.step import Stepper
+
+    target, expected = flat
+    monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
+    ahead = count_drafted_ahead(monkeypatch)
+    engine = specdec.SpecEngine(target, "suffix")
+    config = SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW)
+    assert [r.token_ids for r in engine.generate(PROMPTS[2:], config).rows] == expected[2:]
+    for _ in range(2):
+        out = engine.generate(PROMPTS, config)
+        assert [r.token_ids for r in out.rows] == expected
+    assert out.stats.acceptance_rate > 0.5 and max(ahead) >= min(gamma, 8), (out.stats.acceptance_rate, ahead)
+
+    ahead.clear()
+    scheduler = Scheduler(target, build_drafter("suffix", target), Codec(), SpecPolicy("on", gamma=gamma),
+                          SchedulerConfig(max_batch=4, context=128))
+    for _ in range(2):
+        outputs, finals = [[] for _ in PROMPTS], []
+        for prompt, tokens in zip(PROMPTS, outputs):
+            def emit(event, tokens=tokens):
+                tokens.extend(event.token_ids)
+                finals.append(event.final)
+            scheduler.submit(GenerationRequest(prompt, MAX_NEW, SamplingParams(), (), emit))
+        while sum(finals) < len(PROMPTS):
+            scheduler.turn()
+        assert outputs == expected
+    assert max(ahead) >= min(gamma, 8), ahead
 
 
 class Codec:

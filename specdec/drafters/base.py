@@ -14,7 +14,9 @@ A host drafter (not `graphable`: its state is Python on the host) is told only o
 (`commit` at gamma > 0, step.tell): a commit at gamma 0 would only read kept tokens back, a synchronisation
 that keeps a GPU's plain steps from overlapping the host's work. It proposes from the rows' tokens as the
 host has read them (`batch.rows`: the request's prompt, then `Row.generated`) or as the device holds them,
-and the steppers' callers read every step in flight before a step in which it drafts (Stepper.pipelines).
+and the steppers' callers read every step in flight before a step in which it drafts (Stepper.pipelines),
+unless it `drafts_ahead`: proposes with a step in flight, as a guess past that step's draft that the
+device aligns with what the step kept (suffix's chains).
 """
 
 from __future__ import annotations

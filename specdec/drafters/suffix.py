@@ -50,6 +50,18 @@ read, `Row.generated`), catching up when the row drafts and when it leaves, neve
 in which it drafts nothing does not call it, so on a GPU such steps overlap the host's work as plain ones do
 (step.tell).
 
+Drafting ahead (chains). On a GPU the next step is launched before the one in flight is read (step
+pipelines), so the host does not know the tokens that step keeps. A chain is then proposed as a *guess*
+anchored where the host's text ends: the draft of the step in flight (which the host knows: it made it,
+`drafted_from`), then the continuation of that text, the step's own next token first, from the same
+indexes. On the device, `align_guesses` compares the tokens the step in flight really kept with the
+guess's first tokens and drafts what follows them, or nothing where they differ (the step rejected a
+draft, or its next token was not the guessed one). Only what the device drafts is verified, so a wrong
+guess costs acceptance, never exactness. Where no step is in flight (a CPU; rows that just joined) the
+guess starts at the row's end and the device drafts its first gamma tokens, as before. The step knows
+which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). A tree is proposed
+from the rows' tokens as read: its steps read the step in flight first.
+
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
 max_children; see SuffixConfig.
 """
@@ -68,6 +80,7 @@ from specdec.batch import Row
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.lookahead import rows_in_view
 from specdec.errors import UserError
+from specdec.transfer import to_device
 from specdec.verify import TreeSpec
 
 
@@ -227,21 +240,28 @@ def back_off(sam: SuffixAutomaton, match: Match) -> Match:
     return Match(state, length)
 
 
-def match_pattern(sam: SuffixAutomaton, text: list[int]) -> Match:
-    """The longest suffix of `text` that occurs in the automaton with a continuation."""
-    state, length = 0, 0
-    for token in text:
+def extend_match(sam: SuffixAutomaton, match: Match, tokens: list[int]) -> Match:
+    """The longest suffix of (the match's string + tokens) that occurs in the automaton (matching statistics:
+    follow a transition where there is one, else fall back along suffix links)."""
+    state, length = match.state, match.length
+    for token in tokens:
         while state > 0 and token not in sam.next[state]:
             state = sam.link[state]
             length = sam.length[state]
         if token in sam.next[state]:
             state, length = sam.next[state][token], length + 1
-    return back_off(sam, Match(state, length))
+    return Match(state, length)
 
 
-def match_own_text(sam: SuffixAutomaton) -> Match:
-    """The longest suffix of the automaton's own text that occurred earlier in it with a next token."""
-    return back_off(sam, Match(sam.last, sam.length[sam.last]))
+def match_pattern(sam: SuffixAutomaton, text: list[int]) -> Match:
+    """The longest suffix of `text` that occurs in the automaton with a continuation."""
+    return back_off(sam, extend_match(sam, Match(0, 0), text))
+
+
+def match_own_text(sam: SuffixAutomaton, ahead: list[int] = ()) -> Match:
+    """The longest suffix of the automaton's own text (then `ahead`, tokens not in it) that occurred earlier in
+    it with a next token."""
+    return back_off(sam, extend_match(sam, Match(sam.last, sam.length[sam.last]), ahead))
 
 
 def rank_children(sam: SuffixAutomaton, state: int, k: int) -> list[Child]:
@@ -309,10 +329,49 @@ def add_request(index: GlobalIndex, text: list[int]) -> None:
 
 
 @dataclass
+class Guess:
+    """A chain proposed for a row's tokens from position `anchor` on (drafting ahead, align_guesses)."""
+
+    tokens: list[int]
+    anchor: int  # the row's length on the host when guessed
+    limit: int  # the most tokens its step could draft (min(gamma, the proposal's longest))
+    serial: int  # its step's launch (RowBatch.serial)
+
+
+@dataclass
 class RowState:
     text: list[int]  # what `automaton` holds: the prompt and output up to the last catch_up
     automaton: SuffixAutomaton  # over `text`
     host: Row  # the batch's row: its request's prompt, and its output as far as the host has read it
+    guess: Guess | None = None  # the chain of the row's last proposal
+
+
+def drafted_from(guess: Guess, text: list[int]) -> list[int]:
+    """What a step drafted from `guess` for a row holding `text` when it ran: align_guesses, on the host."""
+    off = len(text) - guess.anchor
+    if off > len(guess.tokens) or text[guess.anchor :] != guess.tokens[:off]:
+        return []
+    return guess.tokens[off : off + guess.limit]
+
+
+def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], num_drafted [B]): each row's guess from where the row ends now, if the tokens the row
+    gained since the guess was made (a step in flight: what it kept) equal the guess's first ones; else no
+    draft. tokens [B, S], length [B] as the device holds them; guess [B, G] (size [B] of it real), made when
+    the row held anchor [B] tokens."""
+    G = guess.shape[1]
+    off = (length - anchor).clamp(min=0)  # [B]
+    j = torch.arange(G, device=guess.device)  # [G]
+    held = tokens.gather(1, (anchor[:, None] + j).clamp(max=tokens.shape[1] - 1))  # [B, G]
+    agree = ((held == guess) | (j >= off[:, None])).all(1) & (off <= size)  # [B]
+    drafts = guess.gather(1, (off[:, None] + torch.arange(k, device=guess.device)).clamp(max=G - 1))  # [B, k]
+    return drafts, torch.where(agree, (size - off).clamp(0, k), 0)
+
+
+def live_rows(batch) -> list[tuple[int, RowState]]:
+    """(slot, state) of the rows in the batch's view still running as far as the host knows (a row that
+    stopped in a step in flight still drafts: the step masks it)."""
+    return [(slot, row) for slot, row in rows_in_view(batch) if batch.rows.get(slot) is row.host and not row.host.finished]
 
 
 def catch_up(row: RowState) -> None:
@@ -376,35 +435,66 @@ class SuffixDrafter:
             add_request(self.index, held.row.text)
         self.held = [h for h in self.held if not h.released]
 
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether it may propose with a step in flight (Stepper.pipelines): a chain can (propose_chain); a
+        tree is proposed from the rows' tokens as read."""
+        return not self.config.tree_nodes
+
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         shape = self.shape(gamma)
+        rows = live_rows(batch)
+        for _, row in rows:
+            catch_up(row)
+        return self.propose_tree(batch, shape, rows) if shape.tree else self.propose_chain(batch, gamma, rows)
+
+    def propose_chain(self, batch, gamma: int, rows: list[tuple[int, RowState]]) -> Proposal:
+        """Each row's chain, drafted ahead where the row's last proposal went to a step still in flight: that
+        step's draft (drafted_from) is taken as accepted, and the chain guesses on from it, the step's own next
+        token first; the device keeps what follows the tokens the step really kept, where they agree with the
+        guess (align_guesses). Where nothing is in flight (a CPU; a GPU step that read its rows first) the
+        chain starts at the row's end, as the host holds it."""
+        B, G = batch.capacity, 2 * gamma + 1  # a guess: up to gamma drafted in flight, their next token, gamma
+        packed = torch.zeros(B, G + 2, dtype=torch.long)  # [B, G + 2]: guess, anchor, size
+        guesses, longest = [], 0
+        for slot, row in rows:
+            in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
+            drafted = drafted_from(row.guess, row.text) if row.guess and row.guess.serial == in_flight else []
+            depth = gamma + 1 if in_flight else gamma  # in flight: that step's next token, then gamma
+            chain = self.best_draft(row, DraftShape(depth, depth), drafted).tokens
+            guess = drafted + chain
+            longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
+            packed[slot, : len(guess)] = torch.tensor(guess, dtype=torch.long)
+            packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
+            guesses.append((row, guess))
+        for row, guess in guesses:
+            row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
+        packed = to_device(packed, batch.device)
+        drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
+        return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
+
+    def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
         B, N = batch.capacity, shape.width
         tokens = torch.zeros(B, N, dtype=torch.long)  # [B, N]
         parents = torch.full((B, N), -1, dtype=torch.long)  # [B, N]
         num_nodes = torch.zeros(B, dtype=torch.long)  # [B]
-        active = batch.active.tolist()
-        for slot, row in rows_in_view(batch):
-            if not active[slot]:
-                continue
-            catch_up(row)
+        for slot, row in rows:
             draft = self.best_draft(row, shape)
             n = len(draft.tokens)
             tokens[slot, :n] = torch.tensor(draft.tokens, dtype=torch.long)
             parents[slot, :n] = torch.tensor(draft.parents, dtype=torch.long)
             num_nodes[slot] = n
-        longest = int(num_nodes.max())
-        tokens, num_nodes = tokens.to(batch.device), num_nodes.to(batch.device)
-        if not shape.tree:
-            return Proposal(tokens=tokens, num_drafted=num_nodes, longest=longest)
-        tree = TreeSpec(parents.to(batch.device), num_nodes, shape.depth, self.config.max_children)
-        return Proposal(tokens=tokens, tree=tree)
+        device = batch.device
+        tree = TreeSpec(to_device(parents, device), to_device(num_nodes, device), shape.depth, self.config.max_children)
+        return Proposal(tokens=to_device(tokens, device), tree=tree)
 
-    def best_draft(self, row: RowState, shape: DraftShape) -> Draft:
-        """The highest-scoring draft of the row's own index and the global generations."""
+    def best_draft(self, row: RowState, shape: DraftShape, ahead: list[int] = ()) -> Draft:
+        """The highest-scoring draft of the row's own index and the global generations, following the row's
+        text and then `ahead` (tokens drafted in a step in flight)."""
         c = self.config
         max_nodes, max_children = (shape.width, c.max_children) if shape.tree else (shape.depth, 1)
-        pattern = row.text[-c.max_pattern :]
-        candidates = [(row.automaton, match_own_text(row.automaton))]
+        pattern = (row.text[-c.max_pattern :] + list(ahead))[-c.max_pattern :]
+        candidates = [(row.automaton, match_own_text(row.automaton, ahead))]
         candidates += [(sam, match_pattern(sam, pattern)) for sam in self.index.generations]
         best, best_key = Draft(), (0.0, 0)
         for sam, match in candidates:
