@@ -234,6 +234,7 @@ def test_the_global_index_is_bounded_and_evicts_the_oldest_requests():
     ({"tree_nodes": -1}, "tree_nodes must be an integer >= 0"),
     ({"max_children": "2"}, "max_children must be an integer, got '2'"),
     ({"tree_nodes": True}, "tree_nodes must be an integer, got True"),
+    ({"ahead": 2}, "ahead must be 0 or 1, got 2"),
 ])
 def test_bad_options_are_one_line_user_errors(extra, words):
     with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -419,7 +420,7 @@ def every_third(gamma: int):
     return lambda *args, **kwargs: gamma if next(turns) % 3 == 2 else 0
 
 
-@pytest.mark.parametrize("name", ["suffix-tree", "lookahead"])
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree", "lookahead"])
 def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, plain, monkeypatch, name):  # noqa: F811
     """With graphs (here forced on the CPU) a host drafter's plain steps are launched before the step in
     flight is read, and before a step where it drafts (unless it drafts ahead), the engine and the server
@@ -433,7 +434,7 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     from specdec.step import Stepper
 
     target, _, _ = models
-    name, options = ("suffix", DrafterOptions(extra=TREE)) if name == "suffix-tree" else (name, DrafterOptions())
+    name, options = ("suffix", DrafterOptions(extra=TREE)) if name == "suffix-tree" else (name, DrafterOptions())  # suffix: not ahead
     monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
     proposals = check_rows_read_at_propose(monkeypatch, SuffixDrafter if name == "suffix" else LookaheadDrafter)
     monkeypatch.setattr(GammaPolicy, "choose", every_third(3))
@@ -472,7 +473,7 @@ def count_drafted_ahead(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("gamma", [4, 16])
 def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, gamma):
-    """With graphs (forced on the CPU) a suffix chain is proposed while the step before is in flight, as a
+    """With graphs (forced on the CPU) and `ahead`, a suffix chain is proposed while the step before is in flight, as a
     guess past that step's draft that the device aligns with what the step kept; on a near-tie target, in
     the engine (one prompt, then all three twice: the global index grows) and the server (all three, then
     again), the outputs equal plain decoding, and the repeats draft ahead from whole drafts in flight."""
@@ -482,8 +483,10 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
 
     target, expected = flat
     monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
-    ahead = count_drafted_ahead(monkeypatch)
-    engine = specdec.SpecEngine(target, "suffix")
+    ahead, options = count_drafted_ahead(monkeypatch), DrafterOptions(extra={"ahead": 1})
+    assert not drafts_ahead(build_drafter("suffix", target)) and drafts_ahead(build_drafter("suffix", target, options))
+    assert not drafts_ahead(build_drafter("suffix", target, DrafterOptions(extra={"ahead": 1, **TREE})))
+    engine = specdec.SpecEngine(target, "suffix", options)
     config = SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW)
     assert [r.token_ids for r in engine.generate(PROMPTS[2:], config).rows] == expected[2:]
     for _ in range(2):
@@ -492,7 +495,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
     assert out.stats.acceptance_rate > 0.5 and max(ahead) >= min(gamma, 8), (out.stats.acceptance_rate, ahead)
 
     ahead.clear()
-    scheduler = Scheduler(target, build_drafter("suffix", target), Codec(), SpecPolicy("on", gamma=gamma),
+    scheduler = Scheduler(target, build_drafter("suffix", target, options), Codec(), SpecPolicy("on", gamma=gamma),
                           SchedulerConfig(max_batch=4, context=128))
     for _ in range(2):
         outputs, finals = [[] for _ in PROMPTS], []

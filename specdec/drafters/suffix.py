@@ -62,8 +62,12 @@ guess starts at the row's end and the device drafts its first gamma tokens, as b
 which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). A tree is proposed
 from the rows' tokens as read: its steps read the step in flight first.
 
+Drafting ahead is an option (`ahead=1`), off by default: on an H200 it made a drafting step cheaper, but
+after every rejection the next step drafts nothing, and through the server on the repeated-request
+workload it served fewer tokens a second than reading first (docs/design.md, "Drafting ahead").
+
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
-max_children; see SuffixConfig.
+max_children, ahead; see SuffixConfig.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class SuffixConfig:
     min_token_prob: float = 0.1  # stop growing a path whose estimated probability falls below this
     tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
     max_children: int = 3  # a tree's fan-out bound (a chain has 1)
+    ahead: int = 0  # 1: draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); measured slower there
 
     def __post_init__(self) -> None:
         checks = [("max_tokens", self.max_tokens >= 2, "an integer >= 2"),
@@ -99,7 +104,8 @@ class SuffixConfig:
                   ("max_spec_factor", self.max_spec_factor > 0, "a number > 0"),
                   ("min_token_prob", 0 <= self.min_token_prob <= 1, "a number in [0, 1]"),
                   ("tree_nodes", self.tree_nodes >= 0, "an integer >= 0 (0: a chain)"),
-                  ("max_children", self.max_children >= 1, "an integer >= 1")]
+                  ("max_children", self.max_children >= 1, "an integer >= 1"),
+                  ("ahead", self.ahead in (0, 1), "0 or 1")]
         for name, ok, expected in checks:
             if not ok:
                 raise UserError(f"suffix drafter: {name} must be {expected}, got {getattr(self, name)!r}")
@@ -437,9 +443,9 @@ class SuffixDrafter:
 
     @property
     def drafts_ahead(self) -> bool:
-        """Whether it may propose with a step in flight (Stepper.pipelines): a chain can (propose_chain); a
-        tree is proposed from the rows' tokens as read."""
-        return not self.config.tree_nodes
+        """Whether it proposes with a step in flight (Stepper.pipelines), where asked to (`ahead`): a chain can
+        (propose_chain); a tree is proposed from the rows' tokens as read."""
+        return bool(self.config.ahead) and not self.config.tree_nodes
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         shape = self.shape(gamma)
