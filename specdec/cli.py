@@ -50,9 +50,32 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None, help="lookahead: Jacobi window W (default 4)")
     p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N of the pool (default 4)")
     p.add_argument("--guesses", type=int, default=None, help="lookahead: pool continuations verified per step G (default 3)")
+    p.add_argument("--suffix-options", type=suffix_options, default=None, metavar="KEY=VALUE,...",
+                   help="suffix: any of " + ", ".join(suffix_option_names()) + " (e.g. tree_nodes=8,max_spec_factor=2; "
+                        "ahead=1 drafts chains ahead of the step in flight on a GPU); see specdec/drafters/suffix.py")
     p.add_argument("--quant-format", default=None, choices=("int8", "Q8_0", "Q4_1", "Q4_0", "Q4_1-A8", "Q4_0-A8"),
                    help="quantized: the draft's weight format (default int8 for a float target, Q4_0 for a Q8_0 one; "
                         "-A8: the 4-bit blocks times int8 activations, integer dot products)")
+
+
+def suffix_option_names() -> tuple[str, ...]:
+    from specdec.drafters.suffix import SuffixConfig
+
+    return tuple(SuffixConfig.__dataclass_fields__)
+
+
+def suffix_options(text: str) -> dict[str, int | float]:
+    """KEY=VALUE,... of the suffix drafter's options (SuffixConfig checks the values when it is built)."""
+    options, names = {}, suffix_option_names()
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in names:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY one of {', '.join(names)}, got {item!r}")
+        try:
+            options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{key.strip()} must be a number, got {value!r}") from e
+    return options
 
 
 def gamma_arg(text: str) -> int | str:
@@ -524,11 +547,11 @@ def drafter_extra(args: argparse.Namespace) -> dict:
     for name in ("window", "ngram", "guesses", "total_tokens"):
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{name} must be >= 1, got {extra[name]}")
-    if args.quant_format is not None:
-        drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
-        if drafters is not None and "quantized" not in drafters:
-            raise UserError(f"--quant-format is an option of the quantized drafter, not of {', '.join(drafters) or 'no drafter'}")
-    return {k: v for k, v in extra.items() if v is not None}
+    drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
+    for flag, owner, given in (("--quant-format", "quantized", args.quant_format), ("--suffix-options", "suffix", args.suffix_options)):
+        if given is not None and drafters is not None and owner not in drafters:
+            raise UserError(f"{flag} is an option of the {owner} drafter, not of {', '.join(drafters) or 'no drafter'}")
+    return {k: v for k, v in extra.items() if v is not None} | (args.suffix_options or {})
 
 
 def read_layer_skip_config(path: str) -> list[int]:

@@ -39,6 +39,7 @@ BAD_INPUTS = [
     (["generate", "hi", "--drafter", "layer_skip", "--layers", "1", "--layer-skip-config", "x.json"], "not both"),
     (["generate", "hi", "--dtype", "int3"], "unknown dtype"),
     (["generate", "hi", "--temperature", "0.7", "--check-lossless"], "--check-lossless compares greedy"),
+    (["generate", "hi", "--drafter", "ngram", "--suffix-options", "ahead=1"], "--suffix-options is an option of the suffix drafter"),
 ]
 
 
@@ -49,6 +50,24 @@ def test_bad_input_is_one_clear_line(capsys, args, message):
     assert code == 2
     assert err.startswith("specdec: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, message", [("foo=1", "KEY one of max_tokens"), ("tree_nodes", "KEY=VALUE"),
+                                           ("max_spec_factor=x", "max_spec_factor must be a number")])
+def test_bad_suffix_options_are_one_line(capsys, text, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--drafters", "suffix", "--suffix-options", text])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_suffix_options_reach_the_drafter():
+    args = cli.build_parser().parse_args(["bench", "--drafters", "ngram,suffix", "--suffix-options", "tree_nodes=8,max_spec_factor=2.5"])
+    extra = cli.drafter_extra(args)
+    assert extra["tree_nodes"] == 8 and extra["max_spec_factor"] == 2.5
+    from specdec.drafters import DrafterOptions, build_drafter
+
+    assert build_drafter("suffix", None, DrafterOptions(extra=extra)).config.tree_nodes == 8
 
 
 def broken_checkpoint(tmp_path, kind: str):
