@@ -430,7 +430,7 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     from specdec.drafters.lookahead import LookaheadDrafter
     from specdec.drafters.suffix import SuffixDrafter
     from specdec.server.policy import SpecPolicy
-    from specdec.server.scheduler import GenerationRequest, Scheduler, SchedulerConfig
+    from specdec.server.scheduler import Scheduler, SchedulerConfig
     from specdec.step import Stepper
 
     target, _, _ = models
@@ -446,16 +446,22 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     monkeypatch.setattr(SpecPolicy, "choose", every_third(4))
     scheduler = Scheduler(target, build_drafter(name, target, options), Codec(), SpecPolicy("on", gamma=4),
                           SchedulerConfig(max_batch=4, context=128))
-    outputs = [[] for _ in PROMPTS]
-    finals = []
-    for prompt, tokens in zip(PROMPTS, outputs):
+    assert serve_in_turns(scheduler, PROMPTS) == plain and proposals
+
+
+def serve_in_turns(scheduler, prompts: list[list[int]]) -> list[list[int]]:
+    """Submit greedy requests for every prompt, turn the decode loop by hand until all finished: their tokens."""
+    from specdec.server.scheduler import GenerationRequest
+
+    outputs, finals = [[] for _ in prompts], []
+    for prompt, tokens in zip(prompts, outputs):
         def emit(event, tokens=tokens):
             tokens.extend(event.token_ids)
             finals.append(event.final)
         scheduler.submit(GenerationRequest(prompt, MAX_NEW, SamplingParams(), (), emit))
-    while sum(finals) < len(PROMPTS):
+    while sum(finals) < len(prompts):
         scheduler.turn()
-    assert outputs == plain and proposals
+    return outputs
 
 
 def count_drafted_ahead(monkeypatch) -> list[int]:
@@ -478,7 +484,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
     the engine (one prompt, then all three twice: the global index grows) and the server (all three, then
     again), the outputs equal plain decoding, and the repeats draft ahead from whole drafts in flight."""
     from specdec.server.policy import SpecPolicy
-    from specdec.server.scheduler import GenerationRequest, Scheduler, SchedulerConfig
+    from specdec.server.scheduler import Scheduler, SchedulerConfig
     from specdec.step import Stepper
 
     target, expected = flat
@@ -498,15 +504,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
     scheduler = Scheduler(target, build_drafter("suffix", target, options), Codec(), SpecPolicy("on", gamma=gamma),
                           SchedulerConfig(max_batch=4, context=128))
     for _ in range(2):
-        outputs, finals = [[] for _ in PROMPTS], []
-        for prompt, tokens in zip(PROMPTS, outputs):
-            def emit(event, tokens=tokens):
-                tokens.extend(event.token_ids)
-                finals.append(event.final)
-            scheduler.submit(GenerationRequest(prompt, MAX_NEW, SamplingParams(), (), emit))
-        while sum(finals) < len(PROMPTS):
-            scheduler.turn()
-        assert outputs == expected
+        assert serve_in_turns(scheduler, PROMPTS) == expected
     assert max(ahead) >= min(gamma, 8), ahead
 
 
