@@ -464,6 +464,31 @@ def serve_in_turns(scheduler, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
+def test_drafting_ahead_at_a_smaller_gamma_than_the_step_in_flight(models, plain, monkeypatch):  # noqa: F811
+    """A step at gamma 16 in flight, the next launched at gamma 2 (a policy's choice): the guess holds the
+    16 drafted in flight, then more; decoding still equals plain."""
+    from specdec.step import Stepper
+
+    target, _, _ = models
+    monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
+    ahead = count_drafted_ahead(monkeypatch)
+    drafter = build_drafter("suffix", target, DrafterOptions(extra={"ahead": 1}))
+    stepper = new_stepper(target, drafter, 1, 128, list(eos_ids(target)))
+    for _ in range(2):  # the second time, the global index holds the whole answer
+        row, = stepper.prefill([0], [Request(PROMPTS[0], MAX_NEW)])
+        stepper.batch.gamma.fill_(16)
+        gammas = itertools.cycle([16, 2])
+        while stepper.batch.busy:
+            stepper.launch(next(gammas))
+            if len(stepper.in_flight) > 1:
+                stepper.read()
+        while stepper.in_flight:
+            stepper.read()
+        assert row.generated == plain[0]
+        stepper.batch.release(0)
+    assert max(ahead) == 16, ahead
+
+
 def count_drafted_ahead(monkeypatch) -> list[int]:
     """Wrap drafted_from: the lengths of the drafts a row's chain was guessed on from (a step in flight)."""
     lengths, original = [], suffix_module.drafted_from

@@ -460,20 +460,20 @@ class SuffixDrafter:
         token first; the device keeps what follows the tokens the step really kept, where they agree with the
         guess (align_guesses). Where nothing is in flight (a CPU; a GPU step that read its rows first) the
         chain starts at the row's end, as the host holds it."""
-        B, G = batch.capacity, 2 * gamma + 1  # a guess: up to gamma drafted in flight, their next token, gamma
-        packed = torch.zeros(B, G + 2, dtype=torch.long)  # [B, G + 2]: guess, anchor, size
-        guesses, longest = [], 0
+        guesses, longest = {}, 0
         for slot, row in rows:
             in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
             drafted = drafted_from(row.guess, row.text) if row.guess and row.guess.serial == in_flight else []
             depth = gamma + 1 if in_flight else gamma  # in flight: that step's next token, then gamma
-            chain = self.best_draft(row, DraftShape(depth, depth), drafted).tokens
-            guess = drafted + chain
+            guesses[slot] = guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
+        # a guess: what the step in flight drafted (at its own gamma), its next token, then gamma
+        G = max([2 * gamma + 1, *map(len, guesses.values())])
+        packed = torch.zeros(batch.capacity, G + 2, dtype=torch.long)  # [B, G + 2]: guess, anchor, size
+        for slot, row in rows:
+            guess = guesses[slot]
             packed[slot, : len(guess)] = torch.tensor(guess, dtype=torch.long)
             packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
-            guesses.append((row, guess))
-        for row, guess in guesses:
             row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
         packed = to_device(packed, batch.device)
         drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
