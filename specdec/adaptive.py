@@ -31,6 +31,11 @@ from specdec.errors import UserError
 
 POLICIES = ("fixed", "heuristic", "confidence", "cost")
 STEP_SAMPLES = 5  # steps of one shape before its measured time replaces the prediction
+# Exploration, in both cost policies: a choice left alone for EXPLORE_EVERY steps is questioned (the server
+# probes another gamma; the engine drops the measurements of a shape it has not run since, so its
+# prediction prices it again), and each time that changes nothing the wait doubles, up to EXPLORE_MOST.
+EXPLORE_EVERY = 64
+EXPLORE_MOST = 1024
 
 
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the pooled rate in a row's estimate (blended_rates)
@@ -141,11 +146,11 @@ class StepSeconds:
     tree masks and verification bookkeeping, which timing forwards alone misses).
 
     Both time whole steps by the host's clock (StepReport.wall_s). `plain_alike`: whether a plain step
-    (gamma 0) not measured yet is scaled like the others: yes for the server, whose policy explores, so
-    measures plain steps too; no for the engine, which does not. Scaled by its drafting steps' excess (a
-    tree's bookkeeping), a plain step looked dearer than it was, and a policy that keeps drafting never
-    measures one to correct it (the engine drafted Medusa out of domain in 76 % of its steps); one priced
-    too low is chosen, so measured."""
+    (gamma 0) not measured yet is scaled like the others: yes for the server, whose policy probes plain
+    steps too; no for the engine, which only lets measurements expire (CostModel.expire). Scaled by its
+    drafting steps' excess (a tree's bookkeeping), a plain step looked dearer than it was, and a policy
+    that keeps drafting never measures one to correct it (the engine drafted Medusa out of domain in 76 %
+    of its steps); one priced too low is chosen, so measured."""
 
     plain_alike: bool = True
     seen: dict[tuple[int, int], deque] = field(default_factory=dict)  # (B, gamma) -> last step seconds
@@ -193,16 +198,24 @@ class StepSeconds:
 class CostModel:
     """An engine's step costs in units of one plain target step: predicted from r(k) for a k-token forward
     and c per draft token, then measured (`steps`, whole steps by batch size and gamma), and its pooled
-    acceptance (`pooled`, blended_rates): both kept across the engine's calls."""
+    acceptance (`pooled`, blended_rates): both kept across the engine's calls.
+
+    A shape not run for a while is measured again (`expire`): its steps were timed under whatever shared
+    the machine then, and a policy that never chooses it again never corrects them. On the 2-core CPU a
+    test suite running beside the first minutes of a `suffix` bench priced drafting out for the rest of it
+    (0.07 tokens drafted a step, 0.98x plain, where the run left alone gave 1.88x)."""
 
     verify_ratio: dict[int, float]  # k -> r(k)
     t1: float  # seconds of a 1-token target forward
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_s_per_token: float = 0.0  # running mean
     draft_tokens: int = 0
-    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine does not explore
+    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine does not probe
     rows: int = 1  # the batch size the next steps run at
     pooled: Acceptance = field(default_factory=lambda: Acceptance.empty(1, 1))  # recent steps' acceptance, every row
+    observed: int = 0  # whole steps observed
+    last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
+    expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
@@ -224,6 +237,19 @@ class CostModel:
     def observe_step(self, gamma: int, seconds: float) -> None:
         """A whole step of `rows` rows at `gamma` took `seconds` by the host's clock (StepReport.wall_s)."""
         self.steps.observe(self.rows, gamma, seconds / self.t1, self.predicted_cost)
+        self.observed += 1
+        self.last_run[self.rows, gamma] = self.observed
+        self.expire()
+
+    def expire(self) -> None:
+        """Drop the measurements of each shape of this batch size not run for its wait (EXPLORE_EVERY at
+        first, doubling each time up to EXPLORE_MOST): it is predicted again, scaled by the shapes measured
+        since, and measured again if chosen."""
+        for B, gamma in [key for key in self.steps.median if key[0] == self.rows]:
+            wait = self.expire_after.get((B, gamma), EXPLORE_EVERY)
+            if self.observed - self.last_run.get((B, gamma), self.observed) >= wait:
+                self.steps.forget(B, gamma, self.predicted_cost)
+                self.expire_after[B, gamma] = min(2 * wait, EXPLORE_MOST)
 
 
 def verify_widths(drafter, gamma_max: int) -> dict[int, int]:

@@ -13,7 +13,8 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma, expected_tokens
+from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy,
+                              StepSeconds, best_gamma, expected_tokens)
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -262,6 +263,45 @@ def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
     engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, specdec.SpecConfig(max_new_tokens=24, gamma_policy="cost", gamma_max=3))
     seen = engine.cost_model.steps.seen
     assert seen and all(B == 2 for B, _ in seen) and sum(len(v) for v in seen.values()) > 5
+
+
+def test_a_shape_not_run_for_a_while_is_priced_again_and_waits_twice_as_long_next_time():
+    """Steps at gamma 2 measured 20x their prediction (a load passing by) price it out; EXPLORE_EVERY plain
+    steps later its measurement is dropped, so it is predicted again; the next wait is twice as long."""
+    cost = CostModel({1: 1.0, 2: 1.05, 3: 1.1}, t1=0.05)
+    predicted = cost.step_cost(2)
+    for _ in range(STEP_SAMPLES):
+        cost.observe_step(2, 20 * predicted * cost.t1)
+    assert cost.step_cost(2) == pytest.approx(20 * predicted)
+    for step in range(1, 3 * EXPLORE_EVERY + 1):
+        cost.observe_step(0, cost.t1)
+        if step == EXPLORE_EVERY - 1:
+            assert cost.steps.measured(1, 2) is not None
+    assert cost.steps.measured(1, 2) is None and cost.step_cost(2) < 2 * predicted  # priced from the forwards again
+    for _ in range(STEP_SAMPLES):
+        cost.observe_step(2, 20 * predicted * cost.t1)  # measured dear again
+    for step in range(1, 2 * EXPLORE_EVERY + 1):
+        cost.observe_step(0, cost.t1)
+        assert (cost.steps.measured(1, 2) is None) == (step >= 2 * EXPLORE_EVERY), step
+    assert cost.expire_after[1, 2] == 4 * EXPLORE_EVERY <= EXPLORE_MOST and cost.steps.measured(1, 0) is not None
+
+
+def test_the_cost_policy_drafts_again_after_a_load_priced_drafting_out():
+    """Drafting steps take 20x their prediction for the first 60 steps (a load passing by; every draft is
+    accepted throughout): the policy turns to plain steps, and once those measurements have expired it
+    drafts again, where without expiry it would never run a drafting step again to see the load gone."""
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, t1=0.05, draft_s_per_token=0.005, draft_tokens=10)
+    policy = GammaPolicy("cost", gamma=3, gamma_max=3, cost=cost)
+    policy.start(1)
+    chosen = []
+    for step in range(400):
+        gamma = policy.choose(0)
+        chosen.append(gamma)
+        slow = 20 if step < 60 and gamma else 1
+        policy.observe([0], [gamma], [gamma])
+        cost.observe_step(gamma, slow * cost.t1 * cost.predicted_cost(1, gamma))
+    assert chosen[0] > 0 and not any(chosen[40:60])  # priced out during the load
+    assert all(chosen[-100:]), chosen  # drafting again, at the cost it really has
 
 
 def test_heuristic_policy_steps():

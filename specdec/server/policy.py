@@ -51,14 +51,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specdec.adaptive import STEP_SAMPLES, Acceptance, StepSeconds, batch_expected_tokens, blended_rates, forward_sizes
+from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, STEP_SAMPLES, Acceptance, StepSeconds, batch_expected_tokens,
+                              blended_rates, forward_sizes)
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
 
 SPEC_POLICIES = ("off", "on", "batch-threshold", "cost")
 MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-EXPLORE_EVERY = 64  # `cost`: steps at gamma 0 in a row before one step drafts again (at first)
-EXPLORE_MOST = 1024  # the longest such wait, after explorations that changed nothing
 # `cost` leaves its choice only for a gamma estimated this much faster. A shape's step time is the median
 # of its last 5-20 steps, and a level's steps vary by 10 % or more, so without a margin one probe's lucky
 # median can move the choice to a gamma no better, where it stays until that gamma's own steps say so.
