@@ -26,6 +26,7 @@ from specdec.metrics import SpecStats
 from specdec.models.llama import LlamaModel
 from specdec.models.tensor_parallel import SINGLE
 from specdec.step import Observer, StepRecord, Stepper, StepTimes, new_stepper
+from specdec.transfer import to_device
 
 __all__ = ["GenerateOutput", "RowOutput", "SpecEngine", "StepRecord"]
 
@@ -143,7 +144,7 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
                 continue  # choose again for the rows that step left
             if chosen != gammas:
                 gammas = chosen
-                batch.gamma[: len(gammas)] = torch.tensor(gammas)
+                batch.gamma[: len(gammas)].copy_(to_device(gammas, batch.device))  # a step may be in flight: no wait
             stepper.launch(max(gammas), observer)
             if len(stepper.in_flight) > keep:
                 observe(policy, stepper.read(), idle)
