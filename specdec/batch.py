@@ -87,8 +87,8 @@ class RowBatch:
         self.eos_ids = frozenset(eos_ids)  # the same, on the host (first_token_outcome)
         self.rows: dict[int, Row] = {}
         self.draft = None  # the drafter's per-slot state (drafter.attach)
-        # set by Stepper.launch before the drafter proposes: the launch's serial, and {slot: serial} of the
-        # steps launched over this batch's rows and not yet read (a host drafter drafting ahead reads them)
+        # set by Stepper.launch before a drafter that drafts ahead proposes: the launch's serial, and
+        # {slot: serial} of the steps launched over this batch's rows and not yet read
         self.serial = 0
         self.in_flight: dict[int, int] = {}
 

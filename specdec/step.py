@@ -659,7 +659,9 @@ class Stepper:
         watch = Stopwatch(self.device)
         watch.mark("start")
         proposal = None
-        batch.serial, batch.in_flight = next(LAUNCHES), steps_in_flight(self.in_flight, batch.rows)
+        serial = next(LAUNCHES)
+        if gamma and drafts_ahead(drafter):  # what it drafts ahead from: its rows' steps not yet read
+            batch.serial, batch.in_flight = serial, steps_in_flight(self.in_flight, batch.rows)
         if gamma and not (graphed and drafter.graphable):  # proposed first: what was drafted may settle the step's shape
             gamma, shape, proposal = narrow(drafter, gamma, shape, propose(drafter, batch, gamma, shape, any_sampled), any_sampled)
         if graphed:
@@ -680,7 +682,7 @@ class Stepper:
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
         launched = self.copy_out(out, watch, gamma)
-        launched.rows, launched.start, launched.serial = dict(batch.rows), t, batch.serial
+        launched.rows, launched.start, launched.serial = dict(batch.rows), t, serial
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)
