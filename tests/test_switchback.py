@@ -46,6 +46,17 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
     assert "cost / off at c=2" in (tmp_path / "report.md").read_text()
 
 
+def test_a_turn_counts_only_its_own_policys_steps(model):
+    """A turn starts once the steps launched before its switch are read (switchback.settle): `off`'s turns
+    count no drafting step of the `on` turn before, and `on`'s no plain one of `off`'s."""
+    plan = LoadPlan(concurrency=(2,), policies=("off", "on"), requests=None, max_tokens=12,
+                    sampling=fixed_sampling(0.0), threshold=2, repeats=4)
+    with serving(make_scheduler(model, policy="off"), admin=True) as (url, _):
+        _, [load] = run_switchbacks(url, KEY, PROMPTS, plan, seconds=0.3)
+    assert [set(t.steps_by_gamma) for t in load.turns if t.policy == "off"] == [{0}] * 4
+    assert all(0 not in t.steps_by_gamma and t.steps_by_gamma for t in load.turns if t.policy == "on")
+
+
 def test_ratios_pair_the_rounds_and_their_interval_holds_the_estimate():
     """`off` drifts 100 -> 60 tok/s over the run; `cost` runs 1.02x `off` in every round: every ratio is 1.02
     (a level-by-level comparison would see the drift), and the interval is that one value."""

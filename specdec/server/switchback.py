@@ -9,9 +9,11 @@ even rounds and reversed in odd ones (bench.policy_order), so that a drift withi
 policy. Drift slower than a round cancels in the ratios.
 
 A turn's throughput: the tokens the server emitted during it (specdec_generation_tokens_total, read from
-/metrics right after the switch and at the turn's end) over its seconds. The step in flight at a switch
-counts in the turn it ends in. The first SECONDS after the clients start (the load ramping up) are not
-timed. Per policy and concurrency: its tokens over its seconds; against a baseline (`off`, and for
+/metrics at its start and end) over its seconds. A turn starts once SETTLE_STEPS steps have been read
+after the switch (`settle`): the step the old policy had in flight, and on a GPU the one queued behind it.
+Counted in the next turn, such a step gave that turn a step of the policy before: on the 2-core CPU at
+16 clients one gamma-4 step of `on` (about 0.2 s, five plain steps) in 8 of `cost`'s 16 turns and 3 of
+`off`'s. The first SECONDS after the clients start (the load ramping up) are not timed. Per policy and concurrency: its tokens over its seconds; against a baseline (`off`, and for
 `cost` also `on`), the ratio of those, the median of the rounds' own ratios, and a 95 % bootstrap interval
 over rounds (BOOTSTRAP_RESAMPLES resamples of the rounds, seeded).
 
@@ -40,10 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from specdec.server.bench import (Counts, LoadPlan, TargetCheck, busy_requests, check_requests, cost_checks,
-                                  counter_deltas, finish_report, fmt, forget_requests,
-                                  format_checks, http_client, markdown_table, optional_pyplot, policy_order, scrape,
-                                  results_of, server_info, start_streams, steps_by_gamma, switch_policy, warm_wave,
-                                  wait_for_idle)
+                                  counter_deltas, finish_report, fmt, forget_requests, format_checks, http_client,
+                                  markdown_table, metric_total, optional_pyplot, policy_order, results_of, scrape,
+                                  server_info, start_streams, steps_by_gamma, switch_policy, warm_wave, wait_for_idle)
 
 BOOTSTRAP_RESAMPLES = 2000
 UNBOUNDED = 1 << 30  # requests a load may take: the clients send until the turns are over
@@ -51,6 +52,10 @@ GENERATED = "specdec_generation_tokens_total"
 FIRSTS = "specdec_time_to_first_token_seconds_count"
 STEP_PARTS = ("host", "wait")  # the decode thread's time on steps (server/metrics.DECODE_PARTS)
 MEASURES = ("throughput", "steps")  # what compare() compares (amounts)
+SETTLE_STEPS = 2  # steps read after a switch before a turn starts (the module docstring)
+SETTLE_POLL_S = 0.01  # how often `settle` reads /metrics
+SETTLE_MOST_S = 2.0  # a server taking no step meanwhile (idle, or reading prompts) starts the turn anyway
+STEPS = "specdec_steps_by_gamma_total"
 
 
 @dataclass
@@ -119,7 +124,7 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
         for r in range(plan.repeats):
             for policy in policy_order(plan.policies, r):
                 await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
-                before, start = await scrape(client), time.monotonic()
+                before, start = await settle(client)
                 await asyncio.sleep(seconds)
                 after, end = await scrape(client), time.monotonic()
                 turns.append(measure_turn(policy, concurrency, r, start - t0, end - start, before, after))
@@ -130,6 +135,22 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
     good = sum(r.outcome == "ok" for r in results)
     return Load(concurrency, turns, len(results), good, sum(r.outcome == "disconnected" for r in results),
                 running == 0 and waiting == 0, [f"[{r.sampling}] {r.error}" for r in results if r.outcome == "failed"][:5])
+
+
+async def settle(client) -> tuple[dict[str, float], float]:
+    """(/metrics, time.monotonic()) once SETTLE_STEPS steps have been read since the call (a switch), so that
+    the steps counted from there on are the new policy's; at most SETTLE_MOST_S later."""
+    first = await scrape(client)
+    start = time.monotonic()
+    metrics, now = first, start
+    while steps_read(metrics) - steps_read(first) < SETTLE_STEPS and now - start < SETTLE_MOST_S:
+        await asyncio.sleep(SETTLE_POLL_S)
+        metrics, now = await scrape(client), time.monotonic()
+    return metrics, now
+
+
+def steps_read(metrics: dict[str, float]) -> int:
+    return int(metric_total(metrics, STEPS) or 0)  # none before the server's first step
 
 
 def measure_turn(policy: str, concurrency: int, round: int, start_s: float, seconds: float,
