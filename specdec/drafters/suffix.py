@@ -475,6 +475,9 @@ class SuffixDrafter:
             packed[slot, : len(guess)] = torch.tensor(guess, dtype=torch.long)
             packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
             row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
+        if not batch.in_flight:  # every chain starts at its row's end (read first): nothing to align on the device
+            return Proposal(tokens=to_device(packed[:, :gamma], batch.device),
+                            num_drafted=to_device(packed[:, G + 1].clamp(max=longest), batch.device), longest=longest)
         packed = to_device(packed, batch.device)
         drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
         return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
