@@ -13,9 +13,10 @@ A turn's throughput: the tokens the server emitted during it (specdec_generation
 after the switch (`settle`): the step the old policy had in flight, and on a GPU the one queued behind it.
 Counted in the next turn, such a step gave that turn a step of the policy before: on the 2-core CPU at
 16 clients one gamma-4 step of `on` (about 0.2 s, five plain steps) in 8 of `cost`'s 16 turns and 3 of
-`off`'s. The first SECONDS after the clients start (the load ramping up) are not timed. Per policy and concurrency: its tokens over its seconds; against a baseline (`off`, and for
-`cost` also `on`), the ratio of those, the median of the rounds' own ratios, and a 95 % bootstrap interval
-over rounds (BOOTSTRAP_RESAMPLES resamples of the rounds, seeded).
+`off`'s. The first SECONDS after the clients start (the load ramping up) are not timed. Per policy and
+concurrency: its tokens over its seconds; against a baseline (`off`, and for `cost` also `on`), the ratio
+of those, the median of the rounds' own ratios, and a 95 % bootstrap interval over rounds
+(BOOTSTRAP_RESAMPLES resamples of the rounds, seeded).
 
 The same ratios over decode steps alone ("steps": the tokens steps emitted, not a prompt's first token,
 over the decode thread's time on steps, host and waiting for the device): a prefill costs the same under
