@@ -913,8 +913,7 @@ def test_cost_policy_explores_after_a_run_of_gamma_0():
 def test_cost_policy_counts_a_switch_it_undoes_as_an_exploration_that_changed_nothing():
     """A probe's lucky steps move `cost` to gamma 1; its next steps are dear and it returns to plain. That
     is an exploration that changed nothing: the next one waits twice EXPLORE_EVERY, as after a probe that
-    moved nothing. Starting the wait over at each undone switch, ngram at 4 clients on a 2-core CPU drafted
-    in 98 of 3900 steps and served 0.99x `off`."""
+    moved nothing, instead of starting over at EXPLORE_EVERY."""
     policy = SpecPolicy("cost", gamma=1, costs=linear_costs())
     rows = Acceptance(np.full((1, 3), 100.0), np.array([[50.0, 0.0, 0.0]]))  # 1.5 tokens a drafting step
     for _ in range(STEP_SAMPLES):

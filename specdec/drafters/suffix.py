@@ -474,7 +474,8 @@ class SuffixDrafter:
             guess = guesses[slot]
             packed[slot, : len(guess)] = torch.tensor(guess, dtype=torch.long)
             packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
-            row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
+            if self.drafts_ahead:  # what the next proposal aligns with, should this step still be in flight then
+                row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
         if not batch.in_flight:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=to_device(packed[:, :gamma], batch.device),
                             num_drafted=to_device(packed[:, G + 1].clamp(max=longest), batch.device), longest=longest)
