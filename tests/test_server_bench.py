@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 
 from specdec.server.app import SamplingFields
-from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, LevelResult, LoadPlan, MemorySample,
-                                  check_targets, client_processes, fixed_sampling, format_medians, plan_request, run_load,
-                                  sample_memory, sampling_fields, write_report)
+from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, STEADY_LEVEL_S, LevelResult, LoadPlan,
+                                  MemorySample, check_targets, client_processes, fixed_sampling, format_medians,
+                                  plan_request, run_load, sample_memory, sampling_fields, short_level_note, write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
@@ -139,6 +139,13 @@ def test_targets_come_from_the_measured_levels():
     bad = check_targets([level("on", 1, 1, 1, ok=3), level("on", 2, 1, 1, running_after=1)])
     assert [(c.name, c.value, c.met) for c in bad[-2:]] == [("requests lost or malformed, of 8", 1, False),
                                                            ("levels leaving requests running or waiting, of 2", 1, False)]
+
+
+def test_a_short_level_is_flagged():
+    long, short = replace(level("on", 64, 1, 1), wall_s=STEADY_LEVEL_S), replace(level("off", 4, 1, 1), wall_s=0.45)
+    assert short_level_note([long]) is None and short_level_note([]) is None
+    note = short_level_note([long, short])
+    assert "off c=4" in note and "0.45 s" in note and "--requests-per-client" in note
 
 
 def test_repeats_interleave_the_policies(model):

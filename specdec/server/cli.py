@@ -250,7 +250,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from specdec.server.bench import (SAMPLING_MIX, LoadPlan, check_targets, fixed_sampling, format_checks, format_medians,
-                                      format_table, hardware, prompts_for, run_load, write_report)
+                                      format_table, hardware, prompts_for, run_load, short_level_note, write_report)
     from specdec.server.policy import check_policy
 
     if not args.concurrency or min(args.concurrency) < 1:
@@ -309,6 +309,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if args.repeats > 1:
             print("\nMedians over passes:", format_medians(levels), sep="\n")
         print("\nTargets (issue 13, medians over passes):", *format_checks(check_targets(levels)), sep="\n")
+        if note := short_level_note(levels):
+            print(note)
         print(f"\n{sum(lv.requests for lv in levels)} requests: {sum(lv.ok for lv in levels)} ok, "
               f"{sum(lv.disconnected for lv in levels)} disconnected, {lost} lost or malformed; "
               f"wrote {', '.join(map(str, files))}")
