@@ -1081,6 +1081,25 @@ def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
         scheduler.stop()
     assert seen and min(seen) >= 0.03
 
+def test_a_step_cut_to_what_was_drafted_offers_only_the_width_it_verified(model):
+    """A host drafter's chain step is cut to what its rows drafted (step.narrow), down to a plain step where
+    none drafted. Acceptance counts only the slots such a step verified: counting the cut ones as rejected
+    made `cost` price `suffix` (and n-grams on the CPU) by matches it never looked for."""
+    scheduler = make_scheduler(model, policy="on", drafter=build_drafter("suffix", model))
+    ran, offered = [], []
+    read, observe = scheduler.ops.read, scheduler.policy.observe_step
+    scheduler.ops.read = lambda n: (report := read(n), ran.append(report.gamma))[0]
+    scheduler.policy.observe_step = lambda budgets, accepted, draft_s: (offered.append(max(budgets)),
+                                                                        observe(budgets, accepted, draft_s))
+    ids = model.tokenizer(PROMPTS[1])["input_ids"]
+    scheduler.submit(GenerationRequest(ids, 24, SamplingParams(temperature=0.0), (), lambda event: None))
+    while scheduler.num_running or scheduler.waiting or scheduler.joining:
+        scheduler.turn()
+    scheduler.stop()
+    assert len(ran) == len(offered) and any(g < scheduler.policy.gamma for g in ran)  # some steps were cut
+    assert all(o <= g for o, g in zip(offered, ran))  # less only where the row's room ran out
+
+
 def test_each_policy_names_the_gammas_it_may_choose():
     assert SpecPolicy("off", gamma=3).gammas() == [0]
     assert SpecPolicy("on", gamma=3).gammas() == [0, 3]

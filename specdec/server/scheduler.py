@@ -782,10 +782,15 @@ class Scheduler:
         self.launched.clear()
 
     def absorb_reports(self, reports: list[StepReport], gamma: int) -> None:
-        """Count each step and hand its tokens out; a row's draft budget is its gamma, within the room it
-        had before the step (its tokens then: the ones before this step's `new`)."""
+        """Count each step and hand its tokens out. A row's draft budget is the width its step verified,
+        within the room it had before the step (its tokens then: the ones before this step's `new`): the gamma
+        asked, or less where the step was cut to what was drafted (step.narrow: a chain of a host drafter, or
+        n-grams on the CPU; a step where nothing was drafted runs plain and offers nothing). Slots the step
+        verified count as rejected where the drafter left them empty (a captured step verifies them anyway);
+        slots it never verified do not, so a drafter that often finds nothing is priced by what it
+        drafts, and `cost` prices such steps by what they cost as run."""
         for report in reports:
-            budgets = [max(0, min(gamma if self.running[rs.row.slot].request.speculate else 0,
+            budgets = [max(0, min(report.gamma if self.running[rs.row.slot].request.speculate else 0,
                                   self.running[rs.row.slot].request.max_tokens - (len(rs.row.generated) - len(rs.new)) - 1))
                        for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
