@@ -1081,6 +1081,7 @@ def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
         scheduler.stop()
     assert seen and min(seen) >= 0.03
 
+
 def test_a_step_cut_to_what_was_drafted_offers_only_the_width_it_verified(model):
     """A host drafter's chain step is cut to what its rows drafted (step.narrow), down to a plain step where
     none drafted. Acceptance counts only the slots such a step verified: counting the cut ones as rejected
