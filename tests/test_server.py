@@ -1085,7 +1085,7 @@ def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
 def test_a_step_cut_to_what_was_drafted_offers_only_the_width_it_verified(model):
     """A host drafter's chain step is cut to what its rows drafted (step.narrow), down to a plain step where
     none drafted. Acceptance counts only the slots such a step verified: counting the cut ones as rejected
-    made `cost` price `suffix` (and n-grams on the CPU) by matches it never looked for."""
+    made `cost` price `suffix` (and n-grams on the CPU) by drafts they never made."""
     scheduler = make_scheduler(model, policy="on", drafter=build_drafter("suffix", model))
     ran, offered = [], []
     read, observe = scheduler.ops.read, scheduler.policy.observe_step
