@@ -476,10 +476,9 @@ class SuffixDrafter:
             packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
             if self.drafts_ahead:  # what the next proposal aligns with, should this step still be in flight then
                 row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
+        packed = to_device(packed, batch.device)  # one copy
         if not batch.in_flight:  # every chain starts at its row's end (read first): nothing to align on the device
-            return Proposal(tokens=to_device(packed[:, :gamma], batch.device),
-                            num_drafted=to_device(packed[:, G + 1].clamp(max=longest), batch.device), longest=longest)
-        packed = to_device(packed, batch.device)
+            return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
         drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
         return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
 
