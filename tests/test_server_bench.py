@@ -5,6 +5,7 @@ computed from the levels, the CUDA memory gauges, and one-line errors for bad ar
 from __future__ import annotations
 
 import json
+import queue
 from collections import Counter
 from dataclasses import replace
 
@@ -13,7 +14,8 @@ import pytest
 from specdec.server.app import SamplingFields
 from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, STEADY_LEVEL_S, LevelResult, LoadPlan,
                                   MemorySample, check_targets, client_processes, fixed_sampling, format_medians,
-                                  plan_request, run_load, sample_memory, sampling_fields, short_level_note, write_report)
+                                  plan_request, run_load, sample_memory, sampling_fields, short_level_note, wait_for,
+                                  write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
@@ -69,6 +71,36 @@ def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     assert sum(counts.get("disconnected", 0) for counts in level.sampling.values()) == 3
     assert [m.requests_done for m in level.memory] == [0, 12] and level.rss_growth_mib is not None
     assert (level.gpu_reserved_growth_mib is None) == (read_cuda_memory() == [])  # measured where CUDA holds memory
+
+
+class ExitedProcess:
+    """A client process that has exited: alive no more, joined at once."""
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+class LateQueue:
+    """A queue whose answer lands just after the first get timed out (the process answered, then exited)."""
+
+    def __init__(self, answer):
+        self.answers = [None, answer]
+
+    def get(self, timeout=None):
+        answer = self.answers.pop(0)
+        if answer is None:
+            raise queue.Empty
+        return answer
+
+
+def test_a_client_process_that_answers_as_it_exits_is_not_counted_lost():
+    answer = (12.5, ["a result"])
+    assert wait_for(ExitedProcess(), LateQueue(answer)) == answer
+    end, results = wait_for(ExitedProcess(), queue.Queue())  # died without answering: its requests are lost
+    assert results == [] and end > 0
 
 
 def test_client_processes_share_the_streams_up_to_the_cpus(monkeypatch):

@@ -543,13 +543,19 @@ def client_process(url: str, headers: dict, model: str, prompts: list[str], plan
 
 
 def wait_for(proc: mp.Process, queue: mp.Queue) -> tuple[float, list[RequestResult]]:
-    """A client process's (end, results); one that died gives none (its requests then count as lost)."""
+    """A client process's (end, results); one that died without answering gives none (its requests then
+    count as lost). A process can answer and exit between a timed-out get and the liveness check: its
+    answer is then still in the pipe, so a dead process's queue is read once more before giving up."""
     try:
         while True:
             try:
                 return queue.get(timeout=1.0)
             except queue_module.Empty:
-                if not proc.is_alive():
+                if proc.is_alive():
+                    continue
+                try:
+                    return queue.get(timeout=1.0)
+                except queue_module.Empty:
                     return time.monotonic(), []
     finally:
         proc.join(timeout=10)
