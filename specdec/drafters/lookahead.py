@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.sampling import greedy_tokens
+from specdec.transfer import pack_rows, to_device
 from specdec.verify import TreeSpec
 
 
@@ -96,10 +96,8 @@ class LookaheadDrafter:
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         shape = self.shape(gamma)
-        B, N = batch.capacity, shape.width
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        parents = torch.full((B, N), -1, dtype=torch.long)
-        num_nodes = torch.zeros(B, dtype=torch.long)
+        B, N, device = batch.capacity, shape.width, batch.device
+        tokens, parents = {}, {}  # per slot: the row's trie
         active = batch.active.tolist()
         for slot, row in rows_in_view(batch):
             row.window_nodes = []
@@ -107,12 +105,11 @@ class LookaheadDrafter:
                 continue
             text = row_tokens(batch, slot)
             self.index_text(row, text)  # the text of the steps it drafted nothing in (not told of them: step.tell)
-            node_tokens, node_parents, row.window_nodes = self.row_trie(row, text[-1], shape.depth)
-            tokens[slot, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.long)
-            parents[slot, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.long)
-            num_nodes[slot] = len(node_tokens)
-        tree = TreeSpec(parents.to(batch.device), num_nodes.to(batch.device), shape.depth, 1 + self.config.guesses)
-        return Proposal(tokens=tokens.to(batch.device), tree=tree)
+            tokens[slot], parents[slot], row.window_nodes = self.row_trie(row, text[-1], shape.depth)
+        num_nodes = [len(tokens.get(slot, ())) for slot in range(B)]  # [B]
+        tree = TreeSpec(to_device(pack_rows(parents, B, N, fill=-1), device), to_device(num_nodes, device), shape.depth,
+                        1 + self.config.guesses)
+        return Proposal(tokens=to_device(pack_rows(tokens, B, N), device), tree=tree)  # tokens [B, N]
 
     def row_trie(self, row: RowState, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
         """Merge the window chain and the pool's guesses into one trie under the root: (tokens, parents,

@@ -84,7 +84,7 @@ from specdec.batch import Row
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.lookahead import rows_in_view
 from specdec.errors import UserError
-from specdec.transfer import to_device
+from specdec.transfer import pack_rows, to_device
 from specdec.verify import TreeSpec
 
 
@@ -469,31 +469,24 @@ class SuffixDrafter:
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
         # a guess: what the step in flight drafted (at its own gamma), its next token, then gamma
         G = max([2 * gamma + 1, *map(len, guesses.values())])
-        packed = torch.zeros(batch.capacity, G + 2, dtype=torch.long)  # [B, G + 2]: guess, anchor, size
+        packed = {}  # per slot: guess (padded to G), anchor, size
         for slot, row in rows:
             guess = guesses[slot]
-            packed[slot, : len(guess)] = torch.tensor(guess, dtype=torch.long)
-            packed[slot, G:] = torch.tensor([len(row.text), len(guess)])
+            packed[slot] = guess + [0] * (G - len(guess)) + [len(row.text), len(guess)]
             if self.drafts_ahead:  # what the next proposal aligns with, should this step still be in flight then
                 row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
-        packed = to_device(packed, batch.device)  # one copy
+        packed = to_device(pack_rows(packed, batch.capacity, G + 2), batch.device)  # [B, G + 2], one copy
         if not batch.in_flight:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
         drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
         return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
-        B, N = batch.capacity, shape.width
-        tokens = torch.zeros(B, N, dtype=torch.long)  # [B, N]
-        parents = torch.full((B, N), -1, dtype=torch.long)  # [B, N]
-        num_nodes = torch.zeros(B, dtype=torch.long)  # [B]
-        for slot, row in rows:
-            draft = self.best_draft(row, shape)
-            n = len(draft.tokens)
-            tokens[slot, :n] = torch.tensor(draft.tokens, dtype=torch.long)
-            parents[slot, :n] = torch.tensor(draft.parents, dtype=torch.long)
-            num_nodes[slot] = n
-        device = batch.device
+        B, N, device = batch.capacity, shape.width, batch.device
+        drafts = {slot: self.best_draft(row, shape) for slot, row in rows}
+        tokens = pack_rows({slot: d.tokens for slot, d in drafts.items()}, B, N)  # [B, N]
+        parents = pack_rows({slot: d.parents for slot, d in drafts.items()}, B, N, fill=-1)  # [B, N]
+        num_nodes = [len(drafts[slot].tokens) if slot in drafts else 0 for slot in range(B)]  # [B]
         tree = TreeSpec(to_device(parents, device), to_device(num_nodes, device), shape.depth, self.config.max_children)
         return Proposal(tokens=to_device(tokens, device), tree=tree)
 
