@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from specdec.batch import RowBatch
+from specdec.transfer import pack_rows, to_device
 from specdec.verify import TreeSpec
 
 
@@ -50,6 +51,17 @@ class Proposal:
     num_drafted: Tensor | None = None  # [B] valid chain tokens per row; None = all N (chains only)
     tree: TreeSpec | None = None
     longest: int | None = None  # a host drafter's chain: the most tokens a row drafted, known on the host (step.narrow)
+
+
+def host_tree_proposal(trees: dict[int, tuple[list[int], list[int]]], capacity: int, width: int, depth: int,
+                       max_children: int, device: torch.device) -> Proposal:
+    """A tree proposal from a host drafter's per-slot (tokens, parents) in topological order (parent -1: the
+    pending token), packed on the host and copied without waiting for the device; absent slots draft nothing."""
+    tokens = pack_rows({slot: t for slot, (t, _) in trees.items()}, capacity, width)  # [B, N]
+    parents = pack_rows({slot: p for slot, (_, p) in trees.items()}, capacity, width, fill=-1)  # [B, N]
+    num_nodes = [len(trees[slot][0]) if slot in trees else 0 for slot in range(capacity)]  # [B]
+    tree = TreeSpec(to_device(parents, device), to_device(num_nodes, device), depth, max_children)
+    return Proposal(tokens=to_device(tokens, device), tree=tree)
 
 
 @dataclass

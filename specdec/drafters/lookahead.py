@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
-from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
 from specdec.sampling import greedy_tokens
-from specdec.transfer import pack_rows, to_device
-from specdec.verify import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -96,8 +94,7 @@ class LookaheadDrafter:
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         shape = self.shape(gamma)
-        B, N, device = batch.capacity, shape.width, batch.device
-        tokens, parents = {}, {}  # per slot: the row's trie
+        trees = {}  # per slot: the row's trie (tokens, parents)
         active = batch.active.tolist()
         for slot, row in rows_in_view(batch):
             row.window_nodes = []
@@ -105,11 +102,9 @@ class LookaheadDrafter:
                 continue
             text = row_tokens(batch, slot)
             self.index_text(row, text)  # the text of the steps it drafted nothing in (not told of them: step.tell)
-            tokens[slot], parents[slot], row.window_nodes = self.row_trie(row, text[-1], shape.depth)
-        num_nodes = [len(tokens.get(slot, ())) for slot in range(B)]  # [B]
-        tree = TreeSpec(to_device(pack_rows(parents, B, N, fill=-1), device), to_device(num_nodes, device), shape.depth,
-                        1 + self.config.guesses)
-        return Proposal(tokens=to_device(pack_rows(tokens, B, N), device), tree=tree)  # tokens [B, N]
+            tokens, parents, row.window_nodes = self.row_trie(row, text[-1], shape.depth)
+            trees[slot] = tokens, parents
+        return host_tree_proposal(trees, batch.capacity, shape.width, shape.depth, 1 + self.config.guesses, batch.device)
 
     def row_trie(self, row: RowState, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
         """Merge the window chain and the pool's guesses into one trie under the root: (tokens, parents,

@@ -81,11 +81,10 @@ import torch
 from torch import Tensor
 
 from specdec.batch import Row
-from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
 from specdec.drafters.lookahead import rows_in_view
 from specdec.errors import UserError
 from specdec.transfer import pack_rows, to_device
-from specdec.verify import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -482,13 +481,11 @@ class SuffixDrafter:
         return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
-        B, N, device = batch.capacity, shape.width, batch.device
-        drafts = {slot: self.best_draft(row, shape) for slot, row in rows}
-        tokens = pack_rows({slot: d.tokens for slot, d in drafts.items()}, B, N)  # [B, N]
-        parents = pack_rows({slot: d.parents for slot, d in drafts.items()}, B, N, fill=-1)  # [B, N]
-        num_nodes = [len(drafts[slot].tokens) if slot in drafts else 0 for slot in range(B)]  # [B]
-        tree = TreeSpec(to_device(parents, device), to_device(num_nodes, device), shape.depth, self.config.max_children)
-        return Proposal(tokens=to_device(tokens, device), tree=tree)
+        trees = {}
+        for slot, row in rows:
+            draft = self.best_draft(row, shape)
+            trees[slot] = draft.tokens, draft.parents
+        return host_tree_proposal(trees, batch.capacity, shape.width, shape.depth, self.config.max_children, batch.device)
 
     def best_draft(self, row: RowState, shape: DraftShape, ahead: list[int] = ()) -> Draft:
         """The highest-scoring draft of the row's own index and the global generations, following the row's
