@@ -34,10 +34,12 @@ from specdec.drafters.suffix import (
     build_automaton,
     drafted_from,
     grow_draft,
+    look_up_where_missed,
     match_own_text,
     match_pattern,
 )
 import specdec.drafters.suffix as suffix_module
+from specdec.config import NgramConfig
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper
@@ -139,9 +141,11 @@ def test_a_match_extends_past_the_text_through_tokens_not_in_it():
     assert match_own_text(sam, [7, 8, 5]) == Match(state_of(sam, [5, 6, 7, 8, 5]), 5)
 
 
-def test_a_guess_is_aligned_alike_on_the_host_and_the_device():
+@pytest.mark.parametrize("lookup", [False, True])
+def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
     """align_guesses (the device, with a step's kept tokens already appended) and drafted_from (the host,
-    later) agree on every case: the step kept the guess's first tokens, fewer, others, or none yet."""
+    later) agree on every case: the step kept the guess's first tokens, fewer, others, or none yet; and with
+    the lookup where a guess did not hold (look_up_where_missed), so do the n-gram drafts that replace it."""
     rng = random.Random(0)
     S, G, k = 40, 9, 4
     cases = []
@@ -160,13 +164,18 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device():
     anchor = torch.tensor([len(text) for text, _, _, _ in cases])
     size = torch.tensor([len(guess) for _, guess, _, _ in cases])
     drafts, num = align_guesses(tokens, length, packed, anchor, size, k)
-    hits = 0
+    if lookup:
+        aligned = num.clone()
+        drafts, num = look_up_where_missed(tokens, length, drafts, num, NgramConfig())
+    hits = looked_up = 0
     for b, (text, guess, now, limit) in enumerate(cases):
-        expected = drafted_from(Guess(guess, len(text), limit, serial=1), now)
+        limit = k if lookup else limit  # drafting ahead with the lookup, a step verifies gamma wide
+        expected = drafted_from(Guess(guess, len(text), limit, serial=1, lookup=k if lookup else 0), now, NgramConfig())
         n = min(int(num[b]), limit)
         assert drafts[b, :n].tolist() == expected, (text, guess, now, limit)
         hits += bool(expected)
-    assert 20 < hits < 180
+        looked_up += lookup and not aligned[b] and bool(expected)
+    assert 20 < hits < 200 and (looked_up > 20 if lookup else hits < 180), (hits, looked_up)
 
 
 def test_draft_length_follows_the_match_length():
@@ -493,13 +502,26 @@ def count_drafted_ahead(monkeypatch) -> list[int]:
     """Wrap drafted_from: the lengths of the drafts a row's chain was guessed on from (a step in flight)."""
     lengths, original = [], suffix_module.drafted_from
 
-    def counted(guess, text):
-        drafted = original(guess, text)
+    def counted(guess, text, ngram):
+        drafted = original(guess, text, ngram)
         lengths.append(len(drafted))
         return drafted
 
     monkeypatch.setattr(suffix_module, "drafted_from", counted)
     return lengths
+
+
+def count_looked_up(monkeypatch) -> list[int]:
+    """Wrap look_up_where_missed: per call, the rows whose guess gave nothing and that drafted by lookup."""
+    rows, original = [], suffix_module.look_up_where_missed
+
+    def counted(tokens, length, drafts, num, ngram):
+        looked = original(tokens, length, drafts, num, ngram)
+        rows.append(int(((num == 0) & (looked[1] > 0)).sum()))
+        return looked
+
+    monkeypatch.setattr(suffix_module, "look_up_where_missed", counted)
+    return rows
 
 
 @pytest.mark.parametrize("gamma", [4, 16])
@@ -515,6 +537,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
     target, expected = flat
     monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
     ahead, options = count_drafted_ahead(monkeypatch), DrafterOptions(extra={"ahead": 1})
+    looked_up = count_looked_up(monkeypatch)
     assert not drafts_ahead(build_drafter("suffix", target)) and drafts_ahead(build_drafter("suffix", target, options))
     assert not drafts_ahead(build_drafter("suffix", target, DrafterOptions(extra={"ahead": 1, **TREE})))
     engine = specdec.SpecEngine(target, "suffix", options)
@@ -524,6 +547,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
         out = engine.generate(PROMPTS, config)
         assert [r.token_ids for r in out.rows] == expected
     assert out.stats.acceptance_rate > 0.5 and max(ahead) >= min(gamma, 8), (out.stats.acceptance_rate, ahead)
+    assert sum(looked_up) > 0  # some guesses did not hold: those rows drafted n-grams, and stayed lossless
 
     ahead.clear()
     scheduler = Scheduler(target, build_drafter("suffix", target, options), Codec(), SpecPolicy("on", gamma=gamma),

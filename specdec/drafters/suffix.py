@@ -55,9 +55,12 @@ pipelines), so the host does not know the tokens that step keeps. A chain is the
 anchored where the host's text ends: the draft of the step in flight (which the host knows: it made it,
 `drafted_from`), then the continuation of that text, the step's own next token first, from the same
 indexes. On the device, `align_guesses` compares the tokens the step in flight really kept with the
-guess's first tokens and drafts what follows them, or nothing where they differ (the step rejected a
-draft, or its next token was not the guessed one). Only what the device drafts is verified, so a wrong
-guess costs acceptance, never exactness. Where no step is in flight (a CPU; rows that just joined) the
+guess's first tokens and drafts what follows them. Where they differ (the step rejected a draft, or its
+next token was not the guessed one) the row drafts by n-gram lookup in its own tokens instead
+(`look_up_where_missed`: `ngram`'s search, on the device, which holds what the step in flight kept), so a
+wrong guess costs a step its suffix draft, not its whole draft; the host repeats that lookup on the same
+tokens when it next guesses (`drafted_from`). Only what the device drafts is verified, so a wrong guess
+costs acceptance, never exactness. Where no step is in flight (a CPU; rows that just joined) the
 guess starts at the row's end and the device drafts its first gamma tokens, as before. The step knows
 which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). A tree is proposed
 from the rows' tokens as read: its steps read the step in flight first.
@@ -82,7 +85,9 @@ from torch import Tensor
 
 from specdec.batch import Row
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
+from specdec.config import NgramConfig
 from specdec.drafters.lookahead import rows_in_view
+from specdec.drafters.ngram import find_continuations
 from specdec.errors import UserError
 from specdec.transfer import pack_rows, to_device
 
@@ -341,6 +346,7 @@ class Guess:
     anchor: int  # the row's length on the host when guessed
     limit: int  # the most tokens its step could draft (min(gamma, the proposal's longest))
     serial: int  # its step's launch (RowBatch.serial)
+    lookup: int = 0  # where the guess did not hold, its step drafted this many tokens by n-gram lookup (0: none)
 
 
 @dataclass
@@ -351,12 +357,17 @@ class RowState:
     guess: Guess | None = None  # the chain of the row's last proposal
 
 
-def drafted_from(guess: Guess, text: list[int]) -> list[int]:
-    """What a step drafted from `guess` for a row holding `text` when it ran: align_guesses, on the host."""
+def drafted_from(guess: Guess, text: list[int], ngram: NgramConfig) -> list[int]:
+    """What a step drafted from `guess` for a row holding `text` when it ran: align_guesses, then
+    look_up_where_missed, on the host (the same lookup on the same tokens gives the same draft)."""
     off = len(text) - guess.anchor
-    if off > len(guess.tokens) or text[guess.anchor :] != guess.tokens[:off]:
-        return []
-    return guess.tokens[off : off + guess.limit]
+    held = off <= len(guess.tokens) and text[guess.anchor :] == guess.tokens[:off]
+    drafted = guess.tokens[off : off + guess.limit] if held else []
+    if drafted or not guess.lookup:
+        return drafted
+    tokens = torch.tensor([text])  # [1, S]
+    draft, found = find_continuations(tokens, torch.tensor([len(text)]), guess.lookup, ngram.max_ngram, ngram.min_ngram)
+    return draft[0].tolist() if found.item() else []
 
 
 def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -371,6 +382,16 @@ def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor,
     agree = ((held == guess) | (j >= off[:, None])).all(1) & (off <= size)  # [B]
     drafts = guess.gather(1, (off[:, None] + torch.arange(k, device=guess.device)).clamp(max=G - 1))  # [B, k]
     return drafts, torch.where(agree, (size - off).clamp(0, k), 0)
+
+
+def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, ngram: NgramConfig) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], num_drafted [B]): where a row's guess gave nothing (it did not hold: the step in flight
+    rejected a draft or its next token was another), the continuation of the row's longest matching n-gram in
+    its own tokens, found on the device (`ngram`'s lookup), which sees what the step in flight kept."""
+    k = drafts.shape[1]
+    looked, found = find_continuations(tokens, length, k, ngram.max_ngram, ngram.min_ngram)  # [B, k], [B]
+    missed = (num == 0) & found
+    return torch.where(missed[:, None], looked, drafts), torch.where(missed, k, num)
 
 
 def live_rows(batch) -> list[tuple[int, RowState]]:
@@ -407,8 +428,9 @@ class SuffixDrafter:
     graphable = False
     learns_across_requests = True  # benches give each method its own instance and a cold start (see `forget`)
 
-    def __init__(self, config: SuffixConfig) -> None:
+    def __init__(self, config: SuffixConfig, ngram: NgramConfig = NgramConfig()) -> None:
         self.config = config
+        self.ngram = ngram  # the lookup where a guess drafted ahead did not hold (look_up_where_missed)
         self.index = GlobalIndex(config.max_tokens)
         self.held: list[Held] = []  # rows joined, oldest first, not yet in the global index
 
@@ -462,23 +484,27 @@ class SuffixDrafter:
         guesses, longest = {}, 0
         for slot, row in rows:
             in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
-            drafted = drafted_from(row.guess, row.text) if row.guess and row.guess.serial == in_flight else []
+            drafted = drafted_from(row.guess, row.text, self.ngram) if row.guess and row.guess.serial == in_flight else []
             depth = gamma + 1 if in_flight else gamma  # in flight: that step's next token, then gamma
             guesses[slot] = guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
-        # a guess: what the step in flight drafted (at its own gamma), its next token, then gamma
-        G = max([2 * gamma + 1, *map(len, guesses.values())])
+        # ahead, a guess is what the step in flight drafted (at its own gamma), its next token, then gamma, and a
+        # row whose guess does not hold drafts by lookup on the device, so the step verifies gamma wide
+        ahead = bool(batch.in_flight)
+        longest, lookup = (gamma, gamma) if ahead else (longest, 0)
+        G = max([2 * gamma + 1, *map(len, guesses.values())]) if ahead else gamma
         packed = {}  # per slot: guess (padded to G), anchor, size
         for slot, row in rows:
             guess = guesses[slot]
             packed[slot] = guess + [0] * (G - len(guess)) + [len(row.text), len(guess)]
             if self.drafts_ahead:  # what the next proposal aligns with, should this step still be in flight then
-                row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial)
+                row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial, lookup)
         packed = to_device(pack_rows(packed, batch.capacity, G + 2), batch.device)  # [B, G + 2], one copy
-        if not batch.in_flight:  # every chain starts at its row's end (read first): nothing to align on the device
+        if not ahead:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
         drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
-        return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
+        drafts, num = look_up_where_missed(batch.tokens, batch.length, drafts, num, self.ngram)
+        return Proposal(tokens=drafts, num_drafted=num, longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
         trees = {}
@@ -511,4 +537,4 @@ class SuffixDrafter:
 
 @register("suffix")
 def build(target, options: DrafterOptions) -> SuffixDrafter:
-    return SuffixDrafter(SuffixConfig.of(options.extra))
+    return SuffixDrafter(SuffixConfig.of(options.extra), NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min))

@@ -245,7 +245,8 @@ class ServerMetrics:
                 *gauge("specdec_tokens_per_second", f"Generated tokens per second over the last {RATE_WINDOW_S:g} s.",
                        self.tokens_per_s()),
                 *gauge("specdec_spec_gamma", "Draft tokens per row chosen for the last step.", self.gamma),
-                "# HELP specdec_steps_by_gamma_total Decode steps by the draft tokens per row the policy chose.",
+                "# HELP specdec_steps_by_gamma_total Decode steps by the draft tokens per row the policy chose (a step cut "
+                "to what was drafted counts at that choice).",
                 "# TYPE specdec_steps_by_gamma_total counter",
                 *(f'specdec_steps_by_gamma_total{{gamma="{g}"}} {n}' for g, n in sorted(self.steps_by_gamma.items())),
                 "# HELP specdec_cost_moves_total The cost policy's moves: a changed choice of gamma (switch), an exploration (probe).",
