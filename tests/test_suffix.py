@@ -166,7 +166,7 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
     drafts, num = align_guesses(tokens, length, packed, anchor, size, k)
     if lookup:
         aligned = num.clone()
-        drafts, num = look_up_where_missed(tokens, length, drafts, num, NgramConfig())
+        drafts, num = look_up_where_missed(tokens, length, drafts, num, 3, 1)
     hits = looked_up = 0
     for b, (text, guess, now, limit) in enumerate(cases):
         limit = k if lookup else limit  # drafting ahead with the lookup, a step verifies gamma wide
@@ -515,8 +515,8 @@ def count_looked_up(monkeypatch) -> list[int]:
     """Wrap look_up_where_missed: per call, the rows whose guess gave nothing and that drafted by lookup."""
     rows, original = [], suffix_module.look_up_where_missed
 
-    def counted(tokens, length, drafts, num, ngram):
-        looked = original(tokens, length, drafts, num, ngram)
+    def counted(tokens, length, drafts, num, max_ngram, min_ngram):
+        looked = original(tokens, length, drafts, num, max_ngram, min_ngram)
         rows.append(int(((num == 0) & (looked[1] > 0)).sum()))
         return looked
 

@@ -9,6 +9,8 @@ token history): no host work, so the step around it can be captured in a CUDA gr
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,24 @@ def find_continuations(tokens: Tensor, length: Tensor, k: int, max_ngram: int, m
         start = torch.where(hit, j + n, start)
         found |= hit
     return copy_forward(tokens, length, start, k), found
+
+
+def look_up(text: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """find_continuations for one row held on the host: the same draft (k tokens), or [] where no n-gram
+    matched. The search runs over the tokens' bytes (bytes.rfind), so a long text costs little."""
+    L = len(text)
+    data = array("q", text).tobytes()  # 8 bytes a token
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if L <= n:
+            continue
+        pattern, end = data[(L - n) * 8 :], (L - 1) * 8  # the last n tokens; windows ending before the last token
+        at = data.rfind(pattern, 0, end)
+        while at >= 0 and at % 8:  # a match across token boundaries: look further back
+            at = data.rfind(pattern, 0, at + len(pattern) - 1)
+        if at >= 0:
+            start = at // 8 + n
+            return [text[start + i % (L - start)] for i in range(k)]
+    return []
 
 
 class NgramDrafter(Stateless):

@@ -84,11 +84,12 @@ import torch
 from torch import Tensor
 
 from specdec.batch import Row
-from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
 from specdec.config import NgramConfig
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
 from specdec.drafters.lookahead import rows_in_view
-from specdec.drafters.ngram import find_continuations
+from specdec.drafters.ngram import find_continuations, look_up
 from specdec.errors import UserError
+from specdec.models import fused
 from specdec.transfer import pack_rows, to_device
 
 
@@ -365,9 +366,7 @@ def drafted_from(guess: Guess, text: list[int], ngram: NgramConfig) -> list[int]
     drafted = guess.tokens[off : off + guess.limit] if held else []
     if drafted or not guess.lookup:
         return drafted
-    tokens = torch.tensor([text])  # [1, S]
-    draft, found = find_continuations(tokens, torch.tensor([len(text)]), guess.lookup, ngram.max_ngram, ngram.min_ngram)
-    return draft[0].tolist() if found.item() else []
+    return look_up(text, guess.lookup, ngram.max_ngram, ngram.min_ngram)
 
 
 def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -384,14 +383,24 @@ def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor,
     return drafts, torch.where(agree, (size - off).clamp(0, k), 0)
 
 
-def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, ngram: NgramConfig) -> tuple[Tensor, Tensor]:
+def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, max_ngram: int,
+                         min_ngram: int) -> tuple[Tensor, Tensor]:
     """(drafts [B, k], num_drafted [B]): where a row's guess gave nothing (it did not hold: the step in flight
     rejected a draft or its next token was another), the continuation of the row's longest matching n-gram in
     its own tokens, found on the device (`ngram`'s lookup), which sees what the step in flight kept."""
     k = drafts.shape[1]
-    looked, found = find_continuations(tokens, length, k, ngram.max_ngram, ngram.min_ngram)  # [B, k], [B]
+    looked, found = find_continuations(tokens, length, k, max_ngram, min_ngram)  # [B, k], [B]
     missed = (num == 0) & found
     return torch.where(missed[:, None], looked, drafts), torch.where(missed, k, num)
+
+
+def draft_ahead(tokens: Tensor, length: Tensor, packed: Tensor, k: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], num_drafted [B]) of guesses packed [B, G + 2] (guess, anchor, size): align_guesses, then
+    look_up_where_missed. On CUDA one compiled function (fused.run_compiled): as separate kernels, launched
+    from the host while the step in flight runs, its few dozen tiny operations cost more than the step."""
+    G = packed.shape[1] - 2
+    drafts, num = align_guesses(tokens, length, packed[:, :G], packed[:, G], packed[:, G + 1], k)
+    return look_up_where_missed(tokens, length, drafts, num, max_ngram, min_ngram)
 
 
 def live_rows(batch) -> list[tuple[int, RowState]]:
@@ -502,8 +511,8 @@ class SuffixDrafter:
         packed = to_device(pack_rows(packed, batch.capacity, G + 2), batch.device)  # [B, G + 2], one copy
         if not ahead:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
-        drafts, num = align_guesses(batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1], gamma)
-        drafts, num = look_up_where_missed(batch.tokens, batch.length, drafts, num, self.ngram)
+        drafts, num = fused.run_compiled(draft_ahead, batch.tokens, batch.length, packed, gamma, self.ngram.max_ngram,
+                                         self.ngram.min_ngram)
         return Proposal(tokens=drafts, num_drafted=num, longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
