@@ -141,7 +141,7 @@ def test_a_match_extends_past_the_text_through_tokens_not_in_it():
     assert match_own_text(sam, [7, 8, 5]) == Match(state_of(sam, [5, 6, 7, 8, 5]), 5)
 
 
-@pytest.mark.parametrize("lookup", [False, True])
+@pytest.mark.parametrize("lookup", [0, 3])
 def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
     """align_guesses (the device, with a step's kept tokens already appended) and drafted_from (the host,
     later) agree on every case: the step kept the guess's first tokens, fewer, others, or none yet; and with
@@ -166,11 +166,11 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
     drafts, num = align_guesses(tokens, length, packed, anchor, size, k)
     if lookup:
         aligned = num.clone()
-        drafts, num = look_up_where_missed(tokens, length, drafts, num, 3, 1)
+        drafts, num = look_up_where_missed(tokens, length, drafts, num, lookup, 3, 1)
     hits = looked_up = 0
     for b, (text, guess, now, limit) in enumerate(cases):
-        limit = k if lookup else limit  # drafting ahead with the lookup, a step verifies gamma wide
-        expected = drafted_from(Guess(guess, len(text), limit, serial=1, lookup=k if lookup else 0), now, NgramConfig())
+        limit = max(limit, lookup)  # drafting ahead, a step verifies at least the lookup's tokens
+        expected = drafted_from(Guess(guess, len(text), limit, serial=1, lookup=lookup), now, NgramConfig())
         n = min(int(num[b]), limit)
         assert drafts[b, :n].tolist() == expected, (text, guess, now, limit)
         hits += bool(expected)
@@ -244,6 +244,7 @@ def test_the_global_index_is_bounded_and_evicts_the_oldest_requests():
     ({"max_children": "2"}, "max_children must be an integer, got '2'"),
     ({"tree_nodes": True}, "tree_nodes must be an integer, got True"),
     ({"ahead": 2}, "ahead must be 0 or 1, got 2"),
+    ({"lookup": -1}, "lookup must be an integer >= 0"),
 ])
 def test_bad_options_are_one_line_user_errors(extra, words):
     with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")):
@@ -515,8 +516,8 @@ def count_looked_up(monkeypatch) -> list[int]:
     """Wrap look_up_where_missed: per call, the rows whose guess gave nothing and that drafted by lookup."""
     rows, original = [], suffix_module.look_up_where_missed
 
-    def counted(tokens, length, drafts, num, max_ngram, min_ngram):
-        looked = original(tokens, length, drafts, num, max_ngram, min_ngram)
+    def counted(tokens, length, drafts, num, lookup, max_ngram, min_ngram):
+        looked = original(tokens, length, drafts, num, lookup, max_ngram, min_ngram)
         rows.append(int(((num == 0) & (looked[1] > 0)).sum()))
         return looked
 

@@ -102,6 +102,7 @@ class SuffixConfig:
     tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
     max_children: int = 3  # a tree's fan-out bound (a chain has 1)
     ahead: int = 0  # 1: draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); measured slower there
+    lookup: int = 8  # drafting ahead, tokens a row drafts by n-gram lookup where its guess did not hold (0: none)
 
     def __post_init__(self) -> None:
         checks = [("max_tokens", self.max_tokens >= 2, "an integer >= 2"),
@@ -110,7 +111,8 @@ class SuffixConfig:
                   ("min_token_prob", 0 <= self.min_token_prob <= 1, "a number in [0, 1]"),
                   ("tree_nodes", self.tree_nodes >= 0, "an integer >= 0 (0: a chain)"),
                   ("max_children", self.max_children >= 1, "an integer >= 1"),
-                  ("ahead", self.ahead in (0, 1), "0 or 1")]
+                  ("ahead", self.ahead in (0, 1), "0 or 1"),
+                  ("lookup", self.lookup >= 0, "an integer >= 0 (0: no lookup)")]
         for name, ok, expected in checks:
             if not ok:
                 raise UserError(f"suffix drafter: {name} must be {expected}, got {getattr(self, name)!r}")
@@ -383,24 +385,25 @@ def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor,
     return drafts, torch.where(agree, (size - off).clamp(0, k), 0)
 
 
-def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, max_ngram: int,
+def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, lookup: int, max_ngram: int,
                          min_ngram: int) -> tuple[Tensor, Tensor]:
     """(drafts [B, k], num_drafted [B]): where a row's guess gave nothing (it did not hold: the step in flight
-    rejected a draft or its next token was another), the continuation of the row's longest matching n-gram in
-    its own tokens, found on the device (`ngram`'s lookup), which sees what the step in flight kept."""
-    k = drafts.shape[1]
-    looked, found = find_continuations(tokens, length, k, max_ngram, min_ngram)  # [B, k], [B]
+    rejected a draft or its next token was another), the first `lookup` tokens (<= k) of the continuation of
+    the row's longest matching n-gram in its own tokens, found on the device (`ngram`'s lookup), which sees
+    what the step in flight kept."""
+    looked, found = find_continuations(tokens, length, drafts.shape[1], max_ngram, min_ngram)  # [B, k], [B]
     missed = (num == 0) & found
-    return torch.where(missed[:, None], looked, drafts), torch.where(missed, k, num)
+    return torch.where(missed[:, None], looked, drafts), torch.where(missed, lookup, num)
 
 
-def draft_ahead(tokens: Tensor, length: Tensor, packed: Tensor, k: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+def draft_ahead(tokens: Tensor, length: Tensor, packed: Tensor, k: int, lookup: int, max_ngram: int,
+                min_ngram: int) -> tuple[Tensor, Tensor]:
     """(drafts [B, k], num_drafted [B]) of guesses packed [B, G + 2] (guess, anchor, size): align_guesses, then
     look_up_where_missed. On CUDA one compiled function (fused.run_compiled): as separate kernels, launched
     from the host while the step in flight runs, its few dozen tiny operations cost more than the step."""
     G = packed.shape[1] - 2
     drafts, num = align_guesses(tokens, length, packed[:, :G], packed[:, G], packed[:, G + 1], k)
-    return look_up_where_missed(tokens, length, drafts, num, max_ngram, min_ngram)
+    return look_up_where_missed(tokens, length, drafts, num, lookup, max_ngram, min_ngram)
 
 
 def live_rows(batch) -> list[tuple[int, RowState]]:
@@ -498,9 +501,10 @@ class SuffixDrafter:
             guesses[slot] = guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
         # ahead, a guess is what the step in flight drafted (at its own gamma), its next token, then gamma, and a
-        # row whose guess does not hold drafts by lookup on the device, so the step verifies gamma wide
+        # row whose guess does not hold drafts `lookup` tokens by n-gram lookup on the device
         ahead = bool(batch.in_flight)
-        longest, lookup = (gamma, gamma) if ahead else (longest, 0)
+        lookup = min(gamma, self.config.lookup) if ahead else 0
+        longest = max(longest, lookup)
         G = max([2 * gamma + 1, *map(len, guesses.values())]) if ahead else gamma
         packed = {}  # per slot: guess (padded to G), anchor, size
         for slot, row in rows:
@@ -511,9 +515,9 @@ class SuffixDrafter:
         packed = to_device(pack_rows(packed, batch.capacity, G + 2), batch.device)  # [B, G + 2], one copy
         if not ahead:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
-        drafts, num = fused.run_compiled(draft_ahead, batch.tokens, batch.length, packed, gamma, self.ngram.max_ngram,
+        drafts, num = fused.run_compiled(draft_ahead, batch.tokens, batch.length, packed, gamma, lookup, self.ngram.max_ngram,
                                          self.ngram.min_ngram)
-        return Proposal(tokens=drafts, num_drafted=num, longest=longest)
+        return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
         trees = {}
