@@ -52,7 +52,7 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guesses", type=int, default=None, help="lookahead: pool continuations verified per step G (default 3)")
     p.add_argument("--suffix-options", type=suffix_options, default=None, metavar="KEY=VALUE,...",
                    help="suffix: any of " + ", ".join(suffix_option_names()) + " (e.g. tree_nodes=8,max_spec_factor=2; "
-                        "ahead=1 drafts chains ahead of the step in flight on a GPU); see specdec/drafters/suffix.py")
+                        "ahead=0 reads the step in flight before drafting on a GPU); see specdec/drafters/suffix.py")
     p.add_argument("--quant-format", default=None, choices=("int8", "Q8_0", "Q4_1", "Q4_0", "Q4_1-A8", "Q4_0-A8"),
                    help="quantized: the draft's weight format (default int8 for a float target, Q4_0 for a Q8_0 one; "
                         "-A8: the 4-bit blocks times int8 activations, integer dot products)")

@@ -444,7 +444,8 @@ def test_host_drafters_pipelined_at_gamma_0_propose_from_every_token(models, pla
     from specdec.step import Stepper
 
     target, _, _ = models
-    name, options = ("suffix", DrafterOptions(extra=TREE)) if name == "suffix-tree" else (name, DrafterOptions())  # suffix: not ahead
+    options = {"suffix": DrafterOptions(extra={"ahead": 0}), "suffix-tree": DrafterOptions(extra=TREE)}.get(name, DrafterOptions())
+    name = name.removesuffix("-tree")
     monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
     proposals = check_rows_read_at_propose(monkeypatch, SuffixDrafter if name == "suffix" else LookaheadDrafter)
     monkeypatch.setattr(GammaPolicy, "choose", every_third(3))
@@ -537,9 +538,9 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
 
     target, expected = flat
     monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
-    ahead, options = count_drafted_ahead(monkeypatch), DrafterOptions(extra={"ahead": 1})
+    ahead, options = count_drafted_ahead(monkeypatch), DrafterOptions()  # drafting ahead is the default
     looked_up = count_looked_up(monkeypatch)
-    assert not drafts_ahead(build_drafter("suffix", target)) and drafts_ahead(build_drafter("suffix", target, options))
+    assert drafts_ahead(build_drafter("suffix", target)) and not drafts_ahead(build_drafter("suffix", target, DrafterOptions(extra={"ahead": 0})))
     assert not drafts_ahead(build_drafter("suffix", target, DrafterOptions(extra={"ahead": 1, **TREE})))
     engine = specdec.SpecEngine(target, "suffix", options)
     config = SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW)

@@ -65,12 +65,13 @@ guess starts at the row's end and the device drafts its first gamma tokens, as b
 which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). A tree is proposed
 from the rows' tokens as read: its steps read the step in flight first.
 
-Drafting ahead is an option (`ahead=1`), off by default: on an H200 it made a drafting step cheaper, but
-after every rejection the next step drafts nothing, and through the server on the repeated-request
-workload it served fewer tokens a second than reading first (docs/design.md, "Drafting ahead").
+Drafting ahead is the default (`ahead=0` reads the step in flight first): on an H200 it put `suffix` ahead
+of `ngram` on gsm8k-eval and mixed prompts, where reading first left it behind; on the repeated-request
+workload through a one-row server reading first served more (docs/design.md, "Drafting ahead"). Where a
+guess did not hold, the lookup drafts at most `lookup` tokens (8), so such a step verifies no wider.
 
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
-max_children, ahead; see SuffixConfig.
+max_children, ahead, lookup; see SuffixConfig.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SuffixConfig:
     min_token_prob: float = 0.1  # stop growing a path whose estimated probability falls below this
     tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
     max_children: int = 3  # a tree's fan-out bound (a chain has 1)
-    ahead: int = 0  # 1: draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); measured slower there
+    ahead: int = 1  # draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); 0: read the step first
     lookup: int = 8  # drafting ahead, tokens a row drafts by n-gram lookup where its guess did not hold (0: none)
 
     def __post_init__(self) -> None:
