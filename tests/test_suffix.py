@@ -40,6 +40,7 @@ from specdec.drafters.suffix import (
 )
 import specdec.drafters.suffix as suffix_module
 from specdec.config import NgramConfig
+from specdec.drafters.ngram import find_continuations, look_up
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper
@@ -176,6 +177,24 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
         hits += bool(expected)
         looked_up += lookup and not aligned[b] and bool(expected)
     assert 20 < hits < 200 and (looked_up > 20 if lookup else hits < 180), (hits, looked_up)
+
+
+def test_the_hosts_lookup_equals_the_devices():
+    """ngram.look_up (the host's, over the tokens' bytes) gives find_continuations' draft (the device's) for one
+    row: tokens past the row's end ignored, and token values whose bytes match across token boundaries
+    (0, 1, 256, 2**16, 2**32) never matched there."""
+    rng = random.Random(1)
+    values = [0, 1, 256, 2**16, 2**32, 7]
+    matched = 0
+    for _ in range(2000):
+        text = [rng.choice(values[: rng.randrange(2, 7)]) for _ in range(rng.randrange(1, 30))]
+        k, S = rng.randrange(1, 9), len(text) + rng.randrange(0, 4)
+        tokens = torch.tensor([text + [rng.choice(values) for _ in range(S - len(text))]])  # [1, S]
+        drafts, found = find_continuations(tokens, torch.tensor([len(text)]), k, 3, 1)
+        expected = drafts[0].tolist() if found.item() else []
+        assert look_up(text, k, 3, 1) == expected, (text, k)
+        matched += bool(expected)
+    assert 1000 < matched < 2000
 
 
 def test_draft_length_follows_the_match_length():
@@ -498,6 +517,30 @@ def test_drafting_ahead_at_a_smaller_gamma_than_the_step_in_flight(models, plain
         assert row.generated == plain[0]
         stepper.batch.release(0)
     assert max(ahead) == 16, ahead
+
+
+def test_drafting_ahead_between_plain_steps_equals_plain(flat, monkeypatch):
+    """The cost policy's pattern, gamma 0, 0, gamma, ...: a drafting step proposed while a plain step is in flight
+    guesses that step's token and goes on from it (the plain step drafted nothing from any guess); where the
+    guess fails the row looks up n-grams. Engine and server, pipelining forced on the CPU, on a near-tie
+    target: equal plain."""
+    from specdec.adaptive import GammaPolicy
+    from specdec.server.policy import SpecPolicy
+    from specdec.server.scheduler import Scheduler, SchedulerConfig
+    from specdec.step import Stepper
+
+    target, plain = flat
+    monkeypatch.setattr(Stepper, "pipelines", pipelined_as_with_graphs)
+    ahead, looked_up = count_drafted_ahead(monkeypatch), count_looked_up(monkeypatch)
+    monkeypatch.setattr(GammaPolicy, "choose", every_third(3))
+    engine = specdec.SpecEngine(target, "suffix")
+    out = engine.generate(PROMPTS, SpecConfig(gamma=3, gamma_policy="heuristic", max_new_tokens=MAX_NEW))
+    assert [r.token_ids for r in out.rows] == plain and ahead and sum(looked_up) > 0
+
+    monkeypatch.setattr(SpecPolicy, "choose", every_third(4))
+    scheduler = Scheduler(target, build_drafter("suffix", target), Codec(), SpecPolicy("on", gamma=4),
+                          SchedulerConfig(max_batch=4, context=128))
+    assert serve_in_turns(scheduler, PROMPTS) == plain
 
 
 def count_drafted_ahead(monkeypatch) -> list[int]:
