@@ -32,6 +32,7 @@ from specdec.drafters.suffix import (
     add_text,
     align_guesses,
     build_automaton,
+    draft_ahead,
     drafted_from,
     grow_draft,
     look_up_where_missed,
@@ -177,6 +178,23 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
         hits += bool(expected)
         looked_up += lookup and not aligned[b] and bool(expected)
     assert 20 < hits < 200 and (looked_up > 20 if lookup else hits < 180), (hits, looked_up)
+
+
+def test_drafting_ahead_compiles_once_for_every_guess_width():
+    """draft_ahead as run_compiled compiles it (dynamic shapes, one graph): guesses of every width, gammas and
+    batch sizes need at most 4 compiles (a batch of one and a gamma of one are specialised), not one per width."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(draft_ahead, dynamic=True, fullgraph=True, backend=counter)
+    for B in (1, 2, 4):
+        for k in (1, 2, 3, 4, 8, 16):
+            for G in (2 * k + 1, 2 * k + 3, 3 * k + 2):
+                tokens, packed = torch.randint(0, 5, (B, 64)), torch.randint(0, 5, (B, G + 2))
+                packed[:, G], packed[:, G + 1] = 30, k
+                compiled(tokens, torch.full((B,), 33), packed[:, :G], packed[:, G], packed[:, G + 1], k, min(k, 8), 3, 1)
+    assert counter.frame_count <= 4, counter.frame_count
 
 
 def test_the_hosts_lookup_equals_the_devices():

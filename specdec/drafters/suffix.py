@@ -397,13 +397,13 @@ def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Te
     return torch.where(missed[:, None], looked, drafts), torch.where(missed, lookup, num)
 
 
-def draft_ahead(tokens: Tensor, length: Tensor, packed: Tensor, k: int, lookup: int, max_ngram: int,
-                min_ngram: int) -> tuple[Tensor, Tensor]:
-    """(drafts [B, k], num_drafted [B]) of guesses packed [B, G + 2] (guess, anchor, size): align_guesses, then
-    look_up_where_missed. On CUDA one compiled function (fused.run_compiled): as separate kernels, launched
-    from the host while the step in flight runs, its few dozen tiny operations cost more than the step."""
-    G = packed.shape[1] - 2
-    drafts, num = align_guesses(tokens, length, packed[:, :G], packed[:, G], packed[:, G + 1], k)
+def draft_ahead(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int, lookup: int,
+                max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], num_drafted [B]): align_guesses, then look_up_where_missed. On CUDA one compiled function
+    (fused.run_compiled): as separate kernels, launched from the host while the step in flight runs, its few
+    dozen tiny operations cost more than the step. The guesses come as views of one packed copy: sliced
+    inside, the packed width (which follows the guesses' lengths) would be compiled anew for every value."""
+    drafts, num = align_guesses(tokens, length, guess, anchor, size, k)
     return look_up_where_missed(tokens, length, drafts, num, lookup, max_ngram, min_ngram)
 
 
@@ -516,8 +516,8 @@ class SuffixDrafter:
         packed = to_device(pack_rows(packed, batch.capacity, G + 2), batch.device)  # [B, G + 2], one copy
         if not ahead:  # every chain starts at its row's end (read first): nothing to align on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
-        drafts, num = fused.run_compiled(draft_ahead, batch.tokens, batch.length, packed, gamma, lookup, self.ngram.max_ngram,
-                                         self.ngram.min_ngram)
+        drafts, num = fused.run_compiled(draft_ahead, batch.tokens, batch.length, packed[:, :G], packed[:, G], packed[:, G + 1],
+                                         gamma, lookup, self.ngram.max_ngram, self.ngram.min_ngram)
         return Proposal(tokens=drafts, num_drafted=num.clamp(max=longest), longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:

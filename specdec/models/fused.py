@@ -78,12 +78,13 @@ def run_compiled(fn, *args):
     bookkeeping between forwards (stopping, tree growth, verification) is dozens of tiny operations: as
     separate kernels they cost more than the forward's own tail. Eager and graphed CUDA steps both run
     the compiled code, so they share its arithmetic (and their sampled tokens). A function that fails to
-    compile runs eagerly from then on, said once; SPECDEC_COMPILE=0 turns compiling off."""
+    compile, or that met more shapes than RECOMPILE_LIMIT, runs eagerly from then on, said once;
+    SPECDEC_COMPILE=0 turns compiling off."""
     if not args[0].is_cuda or fn in EAGER or os.environ.get("SPECDEC_COMPILE", "1") == "0":
         return fn(*args)
     try:
         return compiled(fn)(*args)
-    except torch._dynamo.exc.TorchDynamoException as e:
+    except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
         EAGER.add(fn)
         print(f"specdec: {fn.__name__} could not be compiled ({type(e).__name__}); it runs as separate kernels",
               file=sys.stderr)
