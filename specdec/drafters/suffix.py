@@ -492,8 +492,9 @@ class SuffixDrafter:
         """Each row's chain, drafted ahead where the row's last proposal went to a step still in flight: that
         step's draft (drafted_from) is taken as accepted, and the chain guesses on from it, the step's own next
         token first; the device keeps what follows the tokens the step really kept, where they agree with the
-        guess (align_guesses). Where nothing is in flight (a CPU; a GPU step that read its rows first) the
-        chain starts at the row's end, as the host holds it."""
+        guess (align_guesses), and where they do not, drafts `lookup` tokens by n-gram lookup instead
+        (look_up_where_missed). Where nothing is in flight (a CPU; a GPU step that read its rows first) the chain
+        starts at the row's end, as the host holds it."""
         guesses, longest = {}, 0
         for slot, row in rows:
             in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
