@@ -507,7 +507,7 @@ class SuffixDrafter:
         ahead = bool(batch.in_flight)
         lookup = min(gamma, self.config.lookup) if ahead else 0
         longest = max(longest, lookup)
-        G = max([2 * gamma + 1, *map(len, guesses.values())]) if ahead else gamma
+        G = max([gamma, *map(len, guesses.values())])  # the longest guess (reading first: at most gamma)
         packed = {}  # per slot: guess (padded to G), anchor, size
         for slot, row in rows:
             guess = guesses[slot]
