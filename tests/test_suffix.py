@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -340,8 +341,11 @@ def test_the_same_prompts_again_accept_far_more(models, extra):  # noqa: F811
     engine = specdec.SpecEngine(target, "suffix", DrafterOptions(extra=extra))
     config = SpecConfig(gamma=4, max_new_tokens=MAX_NEW)
     first, second = (engine.generate(PROMPTS, config).stats for _ in range(2))
-    assert second.accepted >= first.accepted + MAX_NEW, (first.accepted, second.accepted)
-    assert second.acceptance_rate > 0.8 and second.steps < first.steps
+    # The first pass drafts from each prompt alone (and, drafting ahead on a GPU, by n-gram lookup), so how
+    # much it accepts varies; the second drafts whole answers: nearly every draft holds and each step
+    # emits nearly gamma + 1 tokens.
+    assert second.accepted > first.accepted and second.acceptance_rate > 0.9, (first, second)
+    assert second.decode_steps <= 1.2 * len(PROMPTS) * math.ceil(MAX_NEW / (config.gamma + 1)), (first, second)
 
 
 def test_a_chain_step_runs_as_wide_as_its_longest_draft(models, plain):  # noqa: F811
