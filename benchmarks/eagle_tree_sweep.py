@@ -2,7 +2,7 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--limit 6] [--max-new-tokens 256] [--out DIR]
+        [--frontiers 4] [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
 
 On a 2-core CPU (float32, 3 prompts, 128 tokens) 10 nodes was best (1.69x plain; 15 gave 1.52x): a verify
 forward there costs more per node. On a GPU the exact kernels verify 16 tokens for about the price of one.
@@ -32,12 +32,13 @@ def main() -> int:
     ap.add_argument("--nodes", type=ints, default=[4, 6, 8, 10, 15])
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
+    ap.add_argument("--task", default="gsm8k-eval", help="a built-in task set or a prompts file (bench's --task)")
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None, help="write sweep.json here")
     args = ap.parse_args()
     model = specdec.load_model("default", dtype=args.dtype, device=args.device)
-    prompts = [encode_prompt(model.tokenizer, t.prompt) for t in load_tasks("gsm8k-eval", args.limit + 1)]
+    prompts = [encode_prompt(model.tokenizer, t.prompt) for t in load_tasks(args.task, args.limit + 1)]
     engines = {"plain": specdec.SpecEngine(model, "none")}
     for depth in args.depths:
         for frontier in args.frontiers:

@@ -49,7 +49,9 @@ from specdec.verify import TreeSpec, depth_bound
 # Later (H200, torch 2.11, 10 prompts x 128, depth 5, one run): 16 nodes 2.08x (tau 3.72), 24 2.04x (3.86),
 # 32 2.07x (3.91), 48 2.04x (3.93): alike for one row, and a server verifies B x nodes tokens a step.
 # There, 16 nodes at depth 5 served 1.80-1.97x `off` at 16-64 clients; 24 at depth 4 had served 1.52x at 32
-# (another session, so not side by side).
+# (another session, so not side by side). Deeper and wider (`9e67dc2`, 10 x 256, gamma 7): 64 nodes, depth 7,
+# frontier 8 tau 4.85 at 2.31x against 16 / 5 / 4's 3.94 at 2.21x; but on `mixed` (20 x 128) tau is
+# 1.55-1.57 for every shape and the wide tree costs (0.79x against 0.92x): kept.
 GPU_TOTAL_TOKENS = 16
 # A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
 # verified node costs about a third of a decode step: a chain (one node expanded per level, its best
