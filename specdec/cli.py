@@ -188,7 +188,7 @@ def csv(kind):
 
 
 def add_bench_args(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, or a .jsonl / .txt file")
+    b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, general, or a .jsonl / .txt file")
     b.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(b)
     b.add_argument("--drafters", type=csv(str), default=("ngram",), help=f"comma-separated: {DRAFTER_HELP}")
@@ -227,8 +227,8 @@ def add_train_args(p: argparse.ArgumentParser, kind: str) -> None:
     p.add_argument("--prompts", default=None, metavar="FILE[:WEIGHT],...",
                    help="prompt files in any format `bench --task` reads (.jsonl with question or turns, and answer "
                         "for --data text; .txt one prompt per line; or a built-in set), comma-separated, each "
-                        "optionally weighted: its share of the collected tokens (e.g. chat.jsonl:2,qa.txt:1); "
-                        "default gsm8k-train")
+                        "optionally weighted: its share of the collected tokens (e.g. chat.jsonl:2,qa.txt:1, or "
+                        "gsm8k-train,general for the built-in general mix); default gsm8k-train")
     p.add_argument("--features", default=None, help="a features file from an earlier run (skips collecting)")
     p.add_argument("--limit", type=int, default=None, help="prompts read from each file (default: as many as --max-tokens needs)")
     p.add_argument("--max-tokens", type=int, default=200_000, help="training tokens to collect (prompt + response)")
@@ -306,7 +306,7 @@ def apply_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
 
 
 def add_analyze_args(a: argparse.ArgumentParser) -> None:
-    a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, or a .jsonl / .txt file")
+    a.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, general, or a .jsonl / .txt file")
     a.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(a)
     add_drafter_args(a)

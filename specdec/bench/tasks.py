@@ -3,7 +3,8 @@
 `load_tasks(spec)` accepts
 - a built-in set: `gsm8k-eval` (the default; 500 GSM8K problems no drafter trains on), `gsm8k-train`
   (the other 6,973, for training drafters), `mixed` (24 reasoning / summarisation / chat prompts) or
-  `heldout` (40 qa / rag / translation / summarisation / chat prompts nothing trains on);
+  `heldout` (40 qa / rag / translation / summarisation / chat prompts nothing trains on) or `general`
+  (636 chat, writing, rewriting, translation and passage prompts, for training drafters beyond GSM8K);
 - a `.jsonl` file whose lines hold either a `question` (GSM8K style: optional `answer` ending in
   `#### N`, optional `category`; the prompt is the question plus GSM8K_INSTRUCTION) or `turns`
   (MT-bench / Spec-Bench style: the first turn is the prompt; optional `category`, `question_id`,
@@ -26,7 +27,7 @@ from pathlib import Path
 from specdec.errors import UserError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-BUILTIN_TASKS = ("gsm8k-eval", "gsm8k-train", "mixed", "heldout")
+BUILTIN_TASKS = ("gsm8k-eval", "gsm8k-train", "mixed", "heldout", "general")
 DEFAULT_TASKS = "gsm8k-eval"
 GSM8K_INSTRUCTION = (
     "Solve the problem step by step. "

@@ -4,8 +4,9 @@ SPEC is one entry or several, comma-separated, each `FILE` or `FILE:WEIGHT`:
 - FILE is anything `specdec bench --task` reads (specdec.bench.tasks, whose loaders this reuses): a
   `.jsonl` file of `question` records (GSM8K style: the prompt is the question plus
   GSM8K_INSTRUCTION) or `turns` records (Spec-Bench / MT-bench style: the first turn is the prompt), a
-  `.txt` file with one prompt per line, or a built-in set: gsm8k-train (the default), or gsm8k-eval,
-  mixed and heldout, which are evaluation sets: training on them is allowed, with a warning on stderr.
+  `.txt` file with one prompt per line, or a built-in set: gsm8k-train (the default), general (chat,
+  writing, rewriting, translation and passages: a general mix), or gsm8k-eval, mixed and heldout, which
+  are evaluation sets: training on them is allowed, with a warning on stderr.
   An entry naming an existing file is that file even when its name holds a ':'.
 - WEIGHT is a positive number (default 1): the file's share of the collected tokens is
   WEIGHT / (sum of the weights); the drawing rule is in specdec.train.data.
