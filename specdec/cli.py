@@ -43,6 +43,9 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle3-head", default=None, help="eagle3: a head folder from `specdec train eagle3`")
     p.add_argument("--medusa-heads", default=None, help="medusa: a heads folder from `specdec train medusa`")
     p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 10 on the CPU, 16 on a GPU)")
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help="eagle, eagle3: levels the draft tree grows (default 5; the step's gamma caps it, so give a gamma as large)")
+    p.add_argument("--tree-frontier", type=int, default=None, help="eagle, eagle3: nodes expanded per level (default 4)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram: longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest n-gram matched")
     p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")
@@ -271,9 +274,9 @@ def add_advise_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--json", action="store_true", help="print the measurements and config as JSON instead of the tables")
 
 
-CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "ngram_max", "ngram_min", "window",
-               "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold", "draft_model",
-               "eagle_head", "eagle3_head", "medusa_heads", "layers")
+CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "tree_depth", "tree_frontier", "ngram_max",
+               "ngram_min", "window", "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold",
+               "draft_model", "eagle_head", "eagle3_head", "medusa_heads", "layers")
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -543,10 +546,13 @@ def drafter_extra(args: argparse.Namespace) -> dict:
         layers = read_layer_skip_config(args.layer_skip_config)
     extra = {"eagle_path": args.eagle_head, "eagle3_path": args.eagle3_head, "medusa_path": args.medusa_heads, "layers": layers,
              "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
-             "total_tokens": args.tree_nodes, "quant_format": args.quant_format}
-    for name in ("window", "ngram", "guesses", "total_tokens"):
+             "total_tokens": args.tree_nodes, "depth": args.tree_depth, "frontier": args.tree_frontier,
+             "quant_format": args.quant_format}
+    flags = {"window": "--window", "ngram": "--lookahead-ngram", "guesses": "--guesses", "total_tokens": "--tree-nodes",
+             "depth": "--tree-depth", "frontier": "--tree-frontier"}
+    for name, flag in flags.items():
         if extra[name] is not None and extra[name] < 1:
-            raise UserError(f"{name} must be >= 1, got {extra[name]}")
+            raise UserError(f"{flag} must be >= 1, got {extra[name]}")
     drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
     for flag, owner, given in (("--quant-format", "quantized", args.quant_format), ("--suffix-options", "suffix", args.suffix_options)):
         if given is not None and drafters is not None and owner not in drafters:
