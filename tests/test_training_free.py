@@ -359,7 +359,7 @@ def test_tune_cli_writes_a_config_that_layer_skip_reads(tmp_path, capsys):
                 "--check-lossless", "--json", *common]
         assert main(argv) == 0, options
         assert json.loads(capsys.readouterr().out)["lossless"] is True
-    for options, message in ((["--window", "0"], "window must be >= 1"), (["--tree-nodes", "0"], "total_tokens must be >= 1"),
+    for options, message in ((["--window", "0"], "--window must be >= 1"), (["--tree-nodes", "0"], "--tree-nodes must be >= 1"),
                              (["--layer-skip-config", str(prompts)], "not a `specdec tune layer-skip` file"),
                              (["--layers", "0", "--layer-skip-config", str(out)], "not both")):
         assert main(["generate", "x", "--drafter", "layer_skip", *options, *common]) == 2
