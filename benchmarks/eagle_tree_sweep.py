@@ -2,7 +2,8 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--eagle-head DIR] [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
+        [--frontiers 4] [--eagle-head DIR] [--eagle3-head DIR] [--task gsm8k-eval] [--limit 6]
+        [--max-new-tokens 256] [--out DIR]
 
 On a 2-core CPU (float32, 3 prompts, 128 tokens) 10 nodes was best (1.69x plain; 15 gave 1.52x): a verify
 forward there costs more per node. On a GPU the exact kernels verify 16 tokens for about the price of one.
@@ -33,6 +34,8 @@ def main() -> int:
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
     ap.add_argument("--eagle-head", default=None, help="a `specdec train eagle` folder (default: the shipped head)")
+    ap.add_argument("--eagle3-head", default=None, help="a `specdec train eagle3` folder: its trees are swept too, "
+                                                        "beside EAGLE's (the same shapes, prompt by prompt)")
     ap.add_argument("--task", default="gsm8k-eval", help="a built-in task set or a prompts file (bench's --task)")
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -44,8 +47,13 @@ def main() -> int:
     for depth in args.depths:
         for frontier in args.frontiers:
             for nodes in args.nodes:
-                extra = {"total_tokens": nodes, "depth": depth, "frontier": frontier, "eagle_path": args.eagle_head}
-                engines[f"eagle n{nodes} d{depth} f{frontier}"] = specdec.SpecEngine(model, "eagle", DrafterOptions(extra=extra))
+                shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier}
+                heads = {"eagle": {"eagle_path": args.eagle_head}}
+                if args.eagle3_head:
+                    heads["eagle3"] = {"eagle3_path": args.eagle3_head}
+                for drafter, head in heads.items():
+                    options = DrafterOptions(extra=shape | head)
+                    engines[f"{drafter} n{nodes} d{depth} f{frontier}"] = specdec.SpecEngine(model, drafter, options)
     config = specdec.SpecConfig(gamma=max(args.depths), max_new_tokens=args.max_new_tokens)
     for engine in engines.values():  # warm up (captures, compiles) on a prompt not measured
         engine.generate(prompts[-1:], config)
