@@ -464,6 +464,14 @@ def drafts_ahead(drafter: Drafter) -> bool:
     return getattr(drafter, "drafts_ahead", False)
 
 
+def overlaps(drafter: Drafter, gamma: int) -> bool:
+    """Whether a step at gamma may be launched before the step in flight is read, where steps are graphed
+    (Stepper.pipelines): always for a graph-safe drafter; for a host drafter (suffix, lookahead) at gamma 0,
+    and where it drafts only if it `drafts_ahead` (suffix's chains): else it proposes from the rows' tokens
+    on the host, which reading the last step brings (and it is not told of steps it did not draft in: `tell`)."""
+    return drafter.graphable or gamma == 0 or drafts_ahead(drafter)
+
+
 def tell(drafter: Drafter, gamma: int) -> bool:
     """Whether the drafter's commit hears of a step at gamma: a graph-safe drafter's always (its device state
     follows every token); a host drafter's only where it drafted. At gamma 0 it would only read the kept
@@ -505,11 +513,9 @@ class Stepper:
         return self.batch.device
 
     def pipelines(self, gamma: int) -> bool:
-        """Whether a step at gamma may be launched before the step in flight is read: with graphs, always for
-        a graph-safe drafter; for a host drafter (suffix, lookahead) at gamma 0, and where it drafts only if it
-        `drafts_ahead` (suffix's chains): else it proposes from the rows' tokens on the host, which reading
-        the last step brings (and it is not told of steps it did not draft in: `tell`)."""
-        return self.graphs and (self.drafter.graphable or gamma == 0 or drafts_ahead(self.drafter))
+        """Whether a step at gamma may be launched before the step in flight is read: only with graphs, and
+        then as `overlaps` says."""
+        return self.graphs and overlaps(self.drafter, gamma)
 
     @functools.cached_property
     def prefill_stream(self) -> torch.cuda.Stream | None:

@@ -45,7 +45,7 @@ from specdec.config import NgramConfig
 from specdec.drafters.ngram import find_continuations, look_up
 from specdec.errors import UserError
 from specdec.models import load_model
-from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper
+from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper, overlaps
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
 
@@ -444,9 +444,8 @@ def test_steps_it_did_not_draft_in_reach_its_index_from_the_host(models):  # noq
 
 
 def pipelined_as_with_graphs(stepper, gamma: int) -> bool:
-    """What Stepper.pipelines gives with CUDA graphs, for the CPU: a host drafter's plain steps overlap, and so
-    do the drafting steps of one that drafts ahead."""
-    return stepper.drafter.graphable or gamma == 0 or drafts_ahead(stepper.drafter)
+    """What Stepper.pipelines gives with CUDA graphs, for the CPU."""
+    return overlaps(stepper.drafter, gamma)
 
 
 def check_rows_read_at_propose(monkeypatch, cls) -> list[int]:
