@@ -13,6 +13,7 @@ from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, rank_order, select_tree, top_indices
+from specdec.models import kernels
 from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, distribution_pvalues, tokens_of
@@ -100,6 +101,17 @@ def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa:
     out_a = specdec.SpecEngine(target, "eagle", options).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
     out_b = specdec.SpecEngine(target, EagleDrafter(target, head, EagleTreeConfig())).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
     assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
+
+
+def test_a_head_attached_for_training_runs_pytorchs_layers(models):  # noqa: F811
+    """Training and its held-out metrics run trees as long as the examples (the 7-step training mask): the
+    exact path's visibility tables are [B, T, W, W], which ran an H200 out of memory; a training head takes
+    PyTorch's layers on every device."""
+    target, _, _ = models
+    head = random_head(target, draft_vocab=32, seed=3)
+    head.attach(target, kernels=False)
+    assert all(layer.kernels == "library" for layer in head.layers)
+    assert not any(kernels.runs_triton(layer, torch.device(d), torch.float32) for layer in head.layers for d in ("cpu", "cuda"))
 
 
 def test_eagle_sampling_matches_plain_sampling(tmp_path):

@@ -141,16 +141,21 @@ class EagleHead(nn.Module):
 
 def follow_target_kernels(head: nn.Module, target, kernels: bool) -> None:
     """A head's Linear layers on the target's kernel path: packed for the CPU kernels (Q8_0 beside a GGUF
-    target) and the target's kernel choice; kernels=False (training): no packed copies, which would go stale."""
+    target) and the target's kernel choice. kernels=False (training and its held-out metrics): no packed
+    copies, which would go stale, and PyTorch's layers: the exact path's visibility tables are [B, T, W, W]
+    (kernels.order_visible): an H200 ran out of memory on them (97 GiB) for a held-out batch of 4096 tokens
+    under the 7-step training mask."""
     if kernels and block_format(target) is not None:
         quantize_head(head)
     if kernels:
         use_cpu_kernels(head)
         follow_kernels(head, target)
-    else:
-        for module in head.modules():
-            if isinstance(module, Linear):
-                module.packed = None
+        return
+    for module in head.modules():
+        if isinstance(module, Linear):
+            module.packed = None
+        if isinstance(module, DecoderLayer):
+            module.kernels = "library"
 
 
 def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
