@@ -603,6 +603,43 @@ def random_llama(dtype: torch.dtype, **dims):
     return build(c, DEVICE, dtype)
 
 
+@needs_triton
+def test_an_eagle3_layer_runs_the_exact_stack(exact_model):
+    """EAGLE-3's layer ([embedding ; h] in, its two norms side by side as the q/k/v input) on the Triton
+    stack: the library path's values on a tree block (within the dtype's tolerance), and a causal block's
+    tokens bit for bit as fed one at a time."""
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.models.kernels import runs_triton
+
+    target, dtype, (P, T) = exact_model, exact_model.norm.weight.dtype, (6, 5)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, target.config.vocab_size)).attach(target, kernels=False)
+    layer, D = head.layers[0], target.config.hidden_size
+    with torch.no_grad():  # norms of their own (ones would hide which norm reads which half)
+        for norm in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5)
+    hidden = torch.randn(1, P + T, D, device=DEVICE).to(dtype)
+    ids = tokens(P + T, seed=5)
+    positions = torch.arange(P + T, device=DEVICE)[None]
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool, device=DEVICE)[None]  # [1, T, T]: nodes 1 and 2 siblings
+
+    @torch.no_grad()  # as drafting runs (the Triton stack has no backward)
+    def run(kernels: str, mask: torch.Tensor | None, steps: list[int]) -> torch.Tensor:
+        layer.kernels = kernels
+        cache = head.new_cache(1, 32)
+        outs = [head.features(hidden[:, :P], ids[:, :P], positions[:, :P], cache)]
+        for a, b in zip(steps, steps[1:]):
+            outs.append(head.features(hidden[:, a:b], ids[:, a:b], positions[:, a:b], cache, mask=mask))
+        return torch.cat(outs, dim=1)
+
+    layer.kernels = "exact"
+    assert runs_triton(layer, torch.device(DEVICE), dtype)
+    exact, library = run("exact", tree, [P, P + T]), run("library", tree, [P, P + T])
+    assert ((exact.float() - library.float()).norm() / library.float().norm()).item() < TOLERANCE[dtype]
+    assert torch.equal(run("exact", None, [P, P + T]), run("exact", None, list(range(P, P + T + 1))))
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="the library path's variance is cuBLAS/SDPA's, on CUDA")
 def test_library_path_is_not_invariant_in_bf16():
     """The benchmark's whole-forward comparison has the power to fail: on a default-model-shaped random

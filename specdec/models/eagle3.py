@@ -16,10 +16,13 @@ head's own trained rows, started from the target's). So it has the EagleHead int
 uses (drafters/eagle.py: `project`, `features`, `logits`, `new_cache`, `attach`), and EAGLE-2's dynamic
 tree drafts it unchanged: committed positions read project(aux), draft positions the head's output.
 
-The layer is not a llama.DecoderLayer, so run_layers' fused stacks (Triton on CUDA, cpu_layer.c) pass
-it by and its PyTorch path runs: on the CPU through the packed Linear layers and cpu_attention, each
-token's outputs independent of the block (the lazy catch-up's drafts equal eager feeding's); on a GPU
-through the library kernels (a drafter's rounding changes what is accepted, never the output).
+The layer is a llama.DecoderLayer with a wider q/k/v input, a second norm and its own forward, and it
+follows the target's kernel choice as EAGLE's layer does. On a GPU (and under Triton's interpreter) the
+exact Triton stack runs it (kernels.run_layers_exact: the two norms side by side form the q/k/v input,
+the rest is a decoder layer's five launches), so each token's outputs are independent of the block as
+for every exact forward. cpu_layer.c does not cover it (another forward), so on the CPU its PyTorch path
+runs through the packed Linear layers and cpu_attention, also block-independent (the lazy catch-up's
+drafts equal eager feeding's). Either way a drafter's rounding changes what is accepted, never the output.
 
 Stored (save_eagle3_head): config.json (Eagle3Config, "specdec_drafter": "eagle3") and
 model.safetensors: fc.weight [D, 3D], layers.0.{input_layernorm, hidden_norm, self_attn.qkv_proj [.., 2D],
@@ -43,7 +46,7 @@ from specdec.kv_cache import KVCache
 from specdec.models.cpu_quant import QuantizedEmbedding
 from specdec.models.eagle import EagleConfig, follow_target_kernels
 from specdec.models.linear import Linear, float_weight
-from specdec.models.llama import MLP, Attention, ModelConfig, RMSNorm, run_layers
+from specdec.models.llama import DecoderLayer, ModelConfig, RMSNorm, run_layers
 from specdec.models.rope import build_rope
 
 
@@ -70,21 +73,15 @@ class Eagle3Config(EagleConfig):
         return cls(**values | {"feature_layers": tuple(values["feature_layers"])})
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(DecoderLayer):
     """EAGLE-3's decoder layer (see the module docstring): x [B, T, 2D] = [embedding of token t+1 ; h_t] ->
-    [B, T, D]. Called by run_layers like a DecoderLayer; `kernels` = "library" keeps its fused stacks away."""
-
-    kernels = "library"
+    [B, T, D]. input_layernorm normalises the embedding, hidden_norm h; q/k/v read both, 2D wide."""
 
     def __init__(self, c: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(c)
         D = c.hidden_size
-        self.input_layernorm = RMSNorm(D, c.rms_norm_eps)  # of the embedding
-        self.hidden_norm = RMSNorm(D, c.rms_norm_eps)  # of h
-        self.self_attn = Attention(c)
+        self.hidden_norm = RMSNorm(D, c.rms_norm_eps)
         self.self_attn.qkv_proj = Linear(2 * D, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=False)
-        self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
-        self.mlp = MLP(c)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None, slots: Tensor | None,
                 attn_mask: Tensor) -> Tensor:

@@ -288,10 +288,10 @@ def order_visible(tree_mask: Tensor) -> tuple[Tensor, Tensor]:
 @on_tensor_device
 def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache, mask: Tensor | None,
                      inv_freq: Tensor, attention_factor: float, window: int | None, taps=None) -> Tensor:
-    """x [B, T, D] through decoder layers with the Triton kernels: q/k/v (+ norm, RoPE, q/k norm, KV
-    write), attention, o_proj (+ residual, + the post-attention norm's input), gate_up (+ norm,
-    SiLU·mul), down (+ residual, + the next layer's norm input): five launches per layer, one more per
-    forward (the first layer's norm input), and no other work (RoPE angles come from the positions inside
+    """x [B, T, D] (EAGLE-3's layer: [B, T, 2D], see first_inputs) through decoder layers with the Triton
+    kernels: q/k/v (+ norm, RoPE, q/k norm, KV write), attention, o_proj (+ residual, + the post-attention
+    norm's input), gate_up (+ norm, SiLU·mul), down (+ residual, + the next layer's norm input): five
+    launches per layer, one more per forward (the first layer's norm input; EAGLE-3's, three), and no other work (RoPE angles come from the positions inside
     the q/k/v kernel; a causal block needs no visibility tables). An RMSNorm is fused as NormedRows: the
     GEMM that produces the residual stream also writes h ⊙ w and the rows' partial sums of squares, and the
     GEMM that takes them scales its accumulator by rstd. Writes the new tokens at slots cache.lengths ..
@@ -300,12 +300,11 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
     reference launches nothing."""
     from specdec.models import triton_ops as ops
 
-    B, T, D = x.shape
+    B, T, _ = x.shape
     positions = positions.expand(B, T).contiguous()  # [B, T]: the kernels read one position per token (an EAGLE level passes [B, 1])
     visible = None if mask is None else visible_order(mask)  # what each tree node sees, shared by the layers
-    h = x.reshape(B * T, D).contiguous()  # [M, D]
-    norm_weight, eps = norm_args(layers[0].input_layernorm)
-    h_in = h if norm_weight is None else ops.prenorm(h, norm_weight, eps)  # the first layer's q/k/v input
+    h, h_in = first_inputs(layers[0], x.reshape(B * T, -1).contiguous())  # [M, D], the first q/k/v's input
+    D = h.shape[-1]
     for i, layer in enumerate(layers):
         if taps is not None and i in taps.layers:
             taps.states[i] = h.view(B, T, D)
@@ -324,6 +323,22 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
         following = norm_args(layers[i + 1].input_layernorm) if i + 1 < len(layers) else (None, 0.0)
         h, h_in = add_product(g, mlp.down_proj, h, following)  # [M, D]
     return h.view(B, T, D)
+
+
+def first_inputs(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(the residual stream h [M, D], the first layer's q/k/v input) from a forward's input x [M, *]. A decoder
+    layer: h = x, and its input norm as NormedRows (fused into the GEMM; none for EAGLE's identity norm).
+    EAGLE-3's layer (it has a `hidden_norm`): x = [embedding ; h] [M, 2D], and q/k/v read the two halves
+    normalised apart, [input_layernorm(embedding) ; hidden_norm(h)] [M, 2D] (two rstds: no NormedRows)."""
+    from specdec.models import triton_ops as ops
+
+    if hasattr(layer, "hidden_norm"):
+        embedded, h = x.chunk(2, dim=-1)
+        h = h.contiguous()
+        norm_e, norm_h = layer.input_layernorm, layer.hidden_norm
+        return h, torch.cat([ops.rms_norm(embedded.contiguous(), norm_e.weight, norm_e.eps), ops.rms_norm(h, norm_h.weight, norm_h.eps)], -1)
+    norm_weight, eps = norm_args(layer.input_layernorm)
+    return x, (x if norm_weight is None else ops.prenorm(x, norm_weight, eps))
 
 
 def add_product(x: Tensor, linear: nn.Module, h: Tensor, next_norm: tuple[Tensor | None, float]):
