@@ -2,14 +2,18 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--eagle-head DIR] [--eagle3-head DIR] [--task gsm8k-eval] [--limit 6]
+        [--frontiers 4] [--lookups 0,5] [--eagle-head DIR] [--eagle3-head DIR] [--task gsm8k-eval] [--limit 6]
         [--max-new-tokens 256] [--out DIR]
+
+--lookups sweeps the prompt-lookup chain grafted onto each tree (--tree-lookup; 0: none). Where the prompts
+have categories (`mixed`), x plain is also given per category.
 
 On a 2-core CPU (float32, 3 prompts, 128 tokens) 10 nodes was best (1.69x plain; 15 gave 1.52x): a verify
 forward there costs more per node. On a GPU the exact kernels verify 16 tokens for about the price of one.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -33,6 +37,7 @@ def main() -> int:
     ap.add_argument("--nodes", type=ints, default=[4, 6, 8, 10, 15])
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
+    ap.add_argument("--lookups", type=ints, default=[0], help="prompt-lookup tokens grafted onto the trees (0: none)")
     ap.add_argument("--eagle-head", default=None, help="a `specdec train eagle` folder (default: the shipped head)")
     ap.add_argument("--eagle3-head", default=None, help="a `specdec train eagle3` folder: its trees are swept too, "
                                                         "beside EAGLE's (the same shapes, prompt by prompt)")
@@ -42,18 +47,17 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write sweep.json here")
     args = ap.parse_args()
     model = specdec.load_model("default", dtype=args.dtype, device=args.device)
-    prompts = [encode_prompt(model.tokenizer, t.prompt) for t in load_tasks(args.task, args.limit + 1)]
+    tasks = load_tasks(args.task, args.limit + 1)
+    prompts = [encode_prompt(model.tokenizer, t.prompt) for t in tasks]
     engines = {"plain": specdec.SpecEngine(model, "none")}
-    for depth in args.depths:
-        for frontier in args.frontiers:
-            for nodes in args.nodes:
-                shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier}
-                heads = {"eagle": {"eagle_path": args.eagle_head}}
-                if args.eagle3_head:
-                    heads["eagle3"] = {"eagle3_path": args.eagle3_head}
-                for drafter, head in heads.items():
-                    options = DrafterOptions(extra=shape | head)
-                    engines[f"{drafter} n{nodes} d{depth} f{frontier}"] = specdec.SpecEngine(model, drafter, options)
+    heads = {"eagle": {"eagle_path": args.eagle_head}}
+    if args.eagle3_head:
+        heads["eagle3"] = {"eagle3_path": args.eagle3_head}
+    for depth, frontier, nodes, lookup in itertools.product(args.depths, args.frontiers, args.nodes, args.lookups):
+        shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier, "lookup": lookup}
+        for drafter, head in heads.items():
+            name = f"{drafter} n{nodes} d{depth} f{frontier}" + (f" l{lookup}" if args.lookups != [0] else "")
+            engines[name] = specdec.SpecEngine(model, drafter, DrafterOptions(extra=shape | head))
     config = specdec.SpecConfig(gamma=max(args.depths), max_new_tokens=args.max_new_tokens)
     for engine in engines.values():  # warm up (captures, compiles) on a prompt not measured
         engine.generate(prompts[-1:], config)
@@ -64,12 +68,18 @@ def main() -> int:
             out = engine.generate([prompt], config)
             rates[name].append(out.stats.tokens_per_s)
             taus[name].append(out.stats.mean_accepted_length)
+    categories = sorted({t.category for t in tasks[:-1] if t.category})
     rows = {}
     for name in engines:
+        speedups = [a / b for a, b in zip(rates[name], rates["plain"])]
         rows[name] = {"tokens_per_s": statistics.median(rates[name]), "tau": statistics.median(taus[name]),
-                      "x_plain": statistics.median(a / b for a, b in zip(rates[name], rates["plain"]))}
-        print(f"{name:24} {rows[name]['tokens_per_s']:8.1f} tok/s  tau {rows[name]['tau']:.2f}  "
-              f"x plain {rows[name]['x_plain']:.2f}", flush=True)
+                      "x_plain": statistics.median(speedups)}
+        by_category = {c: (statistics.median(x for x, t in zip(speedups, tasks) if t.category == c),
+                           statistics.median(x for x, t in zip(taus[name], tasks) if t.category == c)) for c in categories}
+        if len(categories) > 1:
+            rows[name]["by_category"] = {c: {"x_plain": x, "tau": tau} for c, (x, tau) in by_category.items()}
+        print(f"{name:28} {rows[name]['tokens_per_s']:8.1f} tok/s  tau {rows[name]['tau']:.2f}  x plain {rows[name]['x_plain']:.2f}"
+              + "".join(f"  {c} {x:.2f}x tau {tau:.2f}" for c, (x, tau) in by_category.items() if len(categories) > 1), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "sweep.json").write_text(json.dumps(rows, indent=1))

@@ -46,8 +46,11 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, default=None,
                    help="eagle, eagle3: levels the draft tree grows (default 5; the step's gamma caps it, so give a gamma as large)")
     p.add_argument("--tree-frontier", type=int, default=None, help="eagle, eagle3: nodes expanded per level (default 4)")
-    p.add_argument("--ngram-max", type=int, default=3, help="ngram: longest n-gram matched")
-    p.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest n-gram matched")
+    p.add_argument("--tree-lookup", type=int, default=None,
+                   help="eagle, eagle3: graft a prompt-lookup chain of this many tokens (at most the depth) onto the tree, "
+                        "for text that copies its prompt or repeats itself (default 0: none)")
+    p.add_argument("--ngram-max", type=int, default=3, help="ngram (and --tree-lookup): longest n-gram matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram (and --tree-lookup): shortest n-gram matched")
     p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")
     p.add_argument("--layer-skip-config", default=None, help="layer_skip: the JSON written by `specdec tune layer-skip`")
     p.add_argument("--window", type=int, default=None, help="lookahead: Jacobi window W (default 4)")
@@ -274,7 +277,7 @@ def add_advise_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--json", action="store_true", help="print the measurements and config as JSON instead of the tables")
 
 
-CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "tree_depth", "tree_frontier", "ngram_max",
+CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "tree_depth", "tree_frontier", "tree_lookup", "ngram_max",
                "ngram_min", "window", "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold",
                "draft_model", "eagle_head", "eagle3_head", "medusa_heads", "layers")
 
@@ -547,12 +550,14 @@ def drafter_extra(args: argparse.Namespace) -> dict:
     extra = {"eagle_path": args.eagle_head, "eagle3_path": args.eagle3_head, "medusa_path": args.medusa_heads, "layers": layers,
              "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
              "total_tokens": args.tree_nodes, "depth": args.tree_depth, "frontier": args.tree_frontier,
-             "quant_format": args.quant_format}
+             "lookup": args.tree_lookup, "quant_format": args.quant_format}
     flags = {"window": "--window", "ngram": "--lookahead-ngram", "guesses": "--guesses", "total_tokens": "--tree-nodes",
              "depth": "--tree-depth", "frontier": "--tree-frontier"}
     for name, flag in flags.items():
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{flag} must be >= 1, got {extra[name]}")
+    if extra["lookup"] is not None and extra["lookup"] < 0:
+        raise UserError(f"--tree-lookup must be >= 0, got {extra['lookup']}")
     drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
     for flag, owner, given in (("--quant-format", "quantized", args.quant_format), ("--suffix-options", "suffix", args.suffix_options)):
         if given is not None and drafters is not None and owner not in drafters:

@@ -42,6 +42,7 @@ BAD_INPUTS = [
     (["generate", "hi", "--drafter", "ngram", "--suffix-options", "ahead=1"], "--suffix-options is an option of the suffix drafter"),
     (["generate", "hi", "--drafter", "eagle", "--tree-depth", "0"], "--tree-depth must be >= 1, got 0"),
     (["generate", "hi", "--drafter", "eagle", "--tree-frontier", "-2"], "--tree-frontier must be >= 1, got -2"),
+    (["generate", "hi", "--drafter", "eagle", "--tree-lookup", "-1"], "--tree-lookup must be >= 0, got -1"),
 ]
 
 
@@ -77,14 +78,14 @@ def test_tree_shape_options_reach_the_eagle_tree():
     from specdec.drafters import DrafterOptions
 
     args = cli.build_parser().parse_args(["bench", "--drafters", "eagle", "--tree-nodes", "64", "--tree-depth", "7",
-                                          "--tree-frontier", "8"])
+                                          "--tree-frontier", "8", "--tree-lookup", "4"])
     target = torch.nn.Linear(1, 1)  # tree_config reads only the device of the target's parameters
-    assert tree_config(target, DrafterOptions(extra=cli.drafter_extra(args))) == EagleTreeConfig(depth=7, frontier=8, total_tokens=64)
+    assert tree_config(target, DrafterOptions(extra=cli.drafter_extra(args))) == EagleTreeConfig(depth=7, frontier=8, total_tokens=64, lookup=4)
     from specdec.server.cli import drafter_argv
 
-    serve = cli.build_parser().parse_args(["bench-serve", "--drafter", "eagle", "--tree-depth", "7", "--tree-frontier", "8"])
+    serve = cli.build_parser().parse_args(["bench-serve", "--drafter", "eagle", "--tree-depth", "7", "--tree-frontier", "8", "--tree-lookup", "4"])
     argv = drafter_argv(serve)  # what bench-serve starts `serve` with
-    assert argv[argv.index("--tree-depth") :][:4] == ["--tree-depth", "7", "--tree-frontier", "8"]
+    assert argv[argv.index("--tree-depth") :][:6] == ["--tree-depth", "7", "--tree-frontier", "8", "--tree-lookup", "4"]
 
 
 def broken_checkpoint(tmp_path, kind: str):

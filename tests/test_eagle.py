@@ -12,7 +12,7 @@ import specdec
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, rank_order, select_tree, top_indices
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, graft_chain, rank_order, select_tree, top_indices
 from specdec.models import kernels
 from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
@@ -77,7 +77,9 @@ def test_a_level_expands_at_most_its_own_nodes():
 
 
 @pytest.mark.parametrize("tree", [EagleTreeConfig(), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5),
-                                  EagleTreeConfig(depth=3, branch=1, frontier=4)], ids=["default", "small", "chain"])
+                                  EagleTreeConfig(depth=3, branch=1, frontier=4), EagleTreeConfig(lookup=5),
+                                  EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=5, lookup=2)],
+                         ids=["default", "small", "chain", "lookup", "small-lookup"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eagle_greedy_equals_plain(models, plain, tree, batch):  # noqa: F811
     target, _, _ = models
@@ -86,6 +88,36 @@ def test_eagle_greedy_equals_plain(models, plain, tree, batch):  # noqa: F811
     out = specdec.SpecEngine(target, drafter).generate(prompts, specdec.SpecConfig(gamma=5, max_new_tokens=MAX_NEW))
     assert [r.token_ids for r in out.rows] == expected
     assert out.stats.draft_nodes > 0
+
+
+def test_graft_chain_follows_the_tree_then_adds_nodes():
+    """tree: root -> 5 (node 0) -> 7 (node 2); root -> 6 (node 1) -> 8 (node 3)."""
+    tokens, parents = torch.tensor([[5, 6, 7, 8]] * 4), torch.tensor([[-1, -1, 0, 1]] * 4)
+    chain = torch.tensor([[5, 7, 9], [6, 9, 9], [5, 7, 8], [1, 2, 3]])
+    out_tokens, out_parents, num_nodes = graft_chain(tokens, parents, chain, torch.tensor([True, True, True, False]))
+    assert num_nodes.tolist() == [5, 6, 5, 4]
+    assert out_tokens[:, 4:].tolist() == [[9, 0, 0], [9, 9, 0], [8, 0, 0], [0, 0, 0]]  # 8 is node 1's child, not 7's
+    assert out_parents[:, 4:].tolist() == [[2, -1, -1], [1, 4, -1], [2, -1, -1], [-1, -1, -1]]  # padding: under the root
+    assert torch.equal(out_tokens[:, :4], tokens) and torch.equal(out_parents[:, :4], parents)
+    held = graft_chain(tokens[:1], parents[:1], torch.tensor([[6, 8]]), torch.tensor([True]))  # the tree holds it all
+    assert held[2].tolist() == [4] and held[1][0, 4:].tolist() == [-1, -1]
+
+
+def test_a_grafted_lookup_is_accepted_where_the_head_is_not(models):  # noqa: F811
+    """On a prompt that repeats itself a random head's tree is rejected; the grafted prompt-lookup branch
+    is accepted, and the output stays the target's (greedy equality is the test above)."""
+    target, _, _ = models
+    prompt = [[3, 9, 14, 27, 40, 11, 5, 8] * 6]
+    config = specdec.SpecConfig(gamma=5, max_new_tokens=48)
+    plain_out = specdec.SpecEngine(target, "none").generate(prompt, config)
+    runs = {}
+    for lookup in (0, 5):
+        drafter = EagleDrafter(target, random_head(target, draft_vocab=64), EagleTreeConfig(lookup=lookup))
+        runs[lookup] = specdec.SpecEngine(target, drafter).generate(prompt, config)
+        assert runs[lookup].rows[0].token_ids == plain_out.rows[0].token_ids
+    assert runs[5].stats.accepted > 2 * max(runs[0].stats.accepted, 1)
+    nodes_per_step = {k: r.stats.draft_nodes / r.stats.decode_steps for k, r in runs.items()}
+    assert nodes_per_step[5] > nodes_per_step[0]  # the grafted nodes are counted
 
 
 def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa: F811
@@ -114,17 +146,18 @@ def test_a_head_attached_for_training_runs_pytorchs_layers(models):  # noqa: F81
     assert not any(kernels.runs_triton(layer, torch.device(d), torch.float32) for layer in head.layers for d in ("cpu", "cuda"))
 
 
-def test_eagle_sampling_matches_plain_sampling(tmp_path):
-    check_sampling_matches_plain(tmp_path, random_head)
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_eagle_sampling_matches_plain_sampling(tmp_path, lookup):
+    check_sampling_matches_plain(tmp_path, random_head, lookup)
 
 
-def check_sampling_matches_plain(tmp_path, make_head) -> None:
+def check_sampling_matches_plain(tmp_path, make_head, lookup: int = 0) -> None:
     """Seeded sampling through a tree drafter with the head make_head(target) gives plain sampling's
     distribution (per-position chi-square p-values, Bonferroni)."""
     target = tiny_pair(tmp_path, "llama", seed=0, logit_scale=4.0, vocab_size=VOCAB)[0]
     config = lambda seed: specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=seed))  # noqa: E731
     plain_tokens = tokens_of(specdec.SpecEngine(target, "none").generate([PROMPT] * ROWS, config(1)))
-    drafter = EagleDrafter(target, make_head(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6))
+    drafter = EagleDrafter(target, make_head(target), EagleTreeConfig(depth=3, branch=3, frontier=2, total_tokens=6, lookup=lookup))
     out = specdec.SpecEngine(target, drafter).generate([PROMPT] * ROWS, config(2))
     assert 0 < out.stats.accepted < out.stats.drafted
     pvalues = distribution_pvalues(tokens_of(out), plain_tokens)

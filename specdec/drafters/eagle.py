@@ -6,6 +6,13 @@ log-probability), each giving its `branch` most likely children, for `depth` lev
 `total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
 tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
+Prompt lookup grafted on (`lookup` > 0, off by default): the continuation `ngram` would propose
+(drafters/ngram.py, on the device) joins the tree as one more branch, merged where the tree already
+holds its first tokens (`graft_chain`), so a row that copies from its prompt or repeats itself (a summary,
+a quoted passage, code) can accept what the head, trained on other text, would not have guessed. Still
+deterministic nodes with distinct siblings, so still lossless; the chain is at most `depth` long, so a
+step never keeps more than depth + 1 tokens (what the eager commit feeds).
+
 Per-slot state (`EagleState`): the head's KV cache and the head's predicted feature for the pending
 token (the root of the next tree). With L tokens in a row, the head is fed the pairs for positions
 0 .. L - 2 before it drafts; the tree's entries are written after them and rolled back at the end of
@@ -30,7 +37,9 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
+from specdec.config import NgramConfig
 from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
+from specdec.drafters.ngram import find_continuations
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
@@ -72,6 +81,11 @@ class EagleTreeConfig:
     # prompts x 128 tokens) gave depth 3: 3-6 nodes 1.14-1.17x plain, 10 nodes 1.07x; depth 5: 4-10 nodes
     # 0.95-1.02x: within that sweep's noise, so unchanged.
     total_tokens: int = 10
+    lookup: int = 0  # prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none)
+
+    def chain(self, depth: int) -> int:
+        """Prompt-lookup tokens grafted onto a tree of `depth` levels."""
+        return min(self.lookup, depth)
 
     def candidates(self, depth: int) -> int:
         """Nodes a tree of `depth` levels chooses from (as EagleDrafter.grow builds them)."""
@@ -95,7 +109,7 @@ class EagleDrafter:
 
     graphable = True
 
-    def __init__(self, target, head: EagleHead, tree: EagleTreeConfig) -> None:
+    def __init__(self, target, head: EagleHead, tree: EagleTreeConfig, lookup: NgramConfig = NgramConfig()) -> None:
         self.name = head.kind
         problem = head.mismatch(target)
         if problem:
@@ -103,10 +117,12 @@ class EagleDrafter:
         self.feature_layers = head.feature_layers  # what the step hands join and commit (base.target_features)
         self.head = head.attach(target)
         self.tree = tree
+        self.lookup = lookup  # the n-gram sizes the grafted chain matches (tree.lookup > 0)
 
     def shape(self, gamma: int) -> DraftShape:
         depth = min(self.tree.depth, gamma)
-        return DraftShape(width=min(self.tree.total_tokens, self.tree.candidates(depth)), depth=depth, tree=True)
+        width = min(self.tree.total_tokens, self.tree.candidates(depth)) + self.tree.chain(depth)
+        return DraftShape(width=width, depth=depth, tree=True)
 
     def attach(self, batch) -> None:
         """The head's cache, with room for the tree's scratch entries (and, when lazy, a catch-up's padding)."""
@@ -173,7 +189,12 @@ class EagleDrafter:
         if batch.draft.features is not None:
             self.catch_up(batch)
         tokens, parents = self.grow(batch.draft.root, batch, depth)
-        return Proposal(tokens=tokens, tree=TreeSpec(parents, None, depth_bound(depth, self.tree.depth, batch.device), self.tree.branch))
+        bound, chain = depth_bound(depth, self.tree.depth, batch.device), self.tree.chain(depth)
+        if not chain:
+            return Proposal(tokens=tokens, tree=TreeSpec(parents, None, bound, self.tree.branch))
+        drafts, found = find_continuations(batch.tokens, batch.length, chain, self.lookup.max_ngram, self.lookup.min_ngram)
+        tokens, parents, num_nodes = fused.run_compiled(graft_chain, tokens, parents, drafts, found)
+        return Proposal(tokens=tokens, tree=TreeSpec(parents, num_nodes, bound, self.tree.branch + 1))
 
     def grow(self, root_feature: Tensor, batch, depth: int) -> tuple[Tensor, Tensor]:
         """EAGLE-2 dynamic tree: (tokens [B, N], parents [B, N]) in topological order. Each level's
@@ -337,6 +358,29 @@ def select_tree(tokens: Tensor, scores: Tensor, parents: Tensor, depths: Tensor,
     return tokens.gather(1, keep), tree_parents
 
 
+def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A tree (tokens, parents [B, N], topological order, distinct siblings) with a chain [B, k] from the root
+    grafted on: its first tokens follow the tree's nodes while the tree holds them, the rest become new nodes
+    after the tree's N, each under the one before. Returns (tokens, parents [B, N + k], num_nodes [B]); the
+    unused places (and every chain place of a row with found [B] False) are padding under the root."""
+    B, N = tokens.shape
+    k = chain.shape[1]
+    index, places = torch.arange(N, device=tokens.device), torch.arange(k, device=tokens.device)
+    at = torch.full_like(found, -1, dtype=parents.dtype)  # [B] the node holding the chain so far (-1: the root)
+    added = torch.zeros_like(at)  # [B] new nodes so far
+    new_tokens, new_parents = torch.zeros_like(chain), torch.full_like(chain, -1, dtype=parents.dtype)  # [B, k]
+    for i in range(k):
+        same = (parents == at[:, None]) & (tokens == chain[:, i : i + 1])  # [B, N]: at most one (distinct siblings)
+        held = same.any(1)
+        place = (places == added[:, None]) & ~held[:, None]  # [B, k]: where a new node goes
+        new_tokens = torch.where(place, chain[:, i : i + 1], new_tokens)
+        new_parents = torch.where(place, at[:, None], new_parents)
+        at = torch.where(held, (same * index).sum(1), N + added)
+        added = added + (~held).to(added.dtype)
+    new_tokens, new_parents = torch.where(found[:, None], new_tokens, 0), torch.where(found[:, None], new_parents, -1)
+    return torch.cat([tokens, new_tokens], 1), torch.cat([parents, new_parents], 1), N + torch.where(found, added, 0)
+
+
 def rank_order(x: Tensor) -> Tensor:
     """[..., C] each entry's place when x [..., C] is sorted largest first, the lower index first among equal
     values (0 for the largest), NaN as -inf (a slot no row holds flows through a step with whatever its
@@ -373,9 +417,14 @@ def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
     return EagleTreeConfig(**defaults | given)
 
 
+def lookup_config(options: DrafterOptions) -> NgramConfig:
+    """The n-gram sizes a grafted prompt-lookup chain matches: ngram's options."""
+    return NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
+
+
 @register("eagle")
 def build(target, options: DrafterOptions) -> EagleDrafter:
     head = options.extra.get("eagle_head")
     if head is None:
         head = load_eagle_head(trained_folder("eagle", target, options.extra.get("eagle_path"), "--eagle-head"))
-    return EagleDrafter(target, head, tree_config(target, options))
+    return EagleDrafter(target, head, tree_config(target, options), lookup_config(options))
