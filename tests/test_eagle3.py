@@ -7,6 +7,8 @@ sampling's distribution; asking a forward for inner layers changes none of its b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -77,10 +79,11 @@ def test_aux_layers_are_the_layers_inputs_and_change_no_bits(flat, tmp_path, ker
 
 @pytest.mark.parametrize("gamma", [2, 4])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_eagle3_greedy_equals_plain_with_near_ties(flat, gamma, batch):
+@pytest.mark.parametrize("lookup", [0, 3], ids=["tree", "tree+lookup"])
+def test_eagle3_greedy_equals_plain_with_near_ties(flat, gamma, batch, lookup):
     target, _, plain = flat
     prompts, expected = (PROMPTS, plain) if batch == 3 else (PROMPTS[2:], plain[2:])
-    drafter = EagleDrafter(target, random_head3(target, draft_vocab=64), TREE)
+    drafter = EagleDrafter(target, random_head3(target, draft_vocab=64), replace(TREE, lookup=lookup))
     assert drafter.name == "eagle3" and drafter.feature_layers == (2, 3, 3)
     out = specdec.SpecEngine(target, drafter).generate(prompts, specdec.SpecConfig(gamma=gamma, max_new_tokens=MAX_NEW))
     assert [r.token_ids for r in out.rows] == expected
