@@ -33,7 +33,7 @@ import itertools
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -435,8 +435,11 @@ def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal,
     drafted, and where no row drafted it is a plain step (gamma 0, no proposal). A host drafter's proposal
     length follows its matches (suffix: the pattern's length), so a large gamma costs nothing where the
     matches are short; on a CPU an n-gram step where no row found a match runs as a plain step.
-    A tree keeps its shape, and so does a batch where a row samples: a sampled row's draws advance by the
-    step's width, which would then follow its neighbours' drafts, and its seeded output with them."""
+    A greedy tree on a CPU is cut after its widest row's nodes (`narrow_tree`); on a GPU a tree keeps its
+    shape, and so does a batch where a row samples: a sampled row's draws advance by the step's width,
+    which would then follow its neighbours' drafts, and its seeded output with them."""
+    if shape.tree and not any_sampled:
+        return gamma, *narrow_tree(shape, proposal)
     longest = longest_row(proposal)
     if any_sampled or shape.tree or shape.lanes or proposal.q is not None or longest is None:
         return gamma, shape, proposal
@@ -446,6 +449,20 @@ def narrow(drafter: Drafter, gamma: int, shape: DraftShape, proposal: Proposal,
     if g == 0:
         return 0, DraftShape(0, 0), None
     return g, drafter.shape(g), Proposal(proposal.tokens[:, :g], None, proposal.num_drafted, longest=longest)
+
+
+def narrow_tree(shape: DraftShape, proposal: Proposal) -> tuple[DraftShape, Proposal]:
+    """A tree whose rows hold fewer nodes than its width (TreeSpec.num_nodes: an EAGLE tree with a grafted
+    lookup that found little, a host drafter's tree), cut after the widest row's nodes, where the host knows
+    it without a device sync (on a CPU): the verify forward's cost there grows with its width."""
+    tree = proposal.tree
+    if tree is None or tree.num_nodes is None or tree.num_nodes.device.type != "cpu":
+        return shape, proposal
+    width = max(int(tree.num_nodes.max()), 1)
+    if width >= shape.width:
+        return shape, proposal
+    cut = TreeSpec(tree.parents[:, :width], tree.num_nodes, tree.max_depth, tree.max_children)
+    return replace(shape, width=width), replace(proposal, tokens=proposal.tokens[:, :width], tree=cut)
 
 
 def longest_row(proposal: Proposal) -> int | None:

@@ -46,6 +46,7 @@ from specdec.drafters.ngram import find_continuations, look_up
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper, overlaps
+from specdec.verify import TreeSpec
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
 
@@ -370,7 +371,7 @@ def test_a_chain_step_runs_as_wide_as_its_longest_draft(models, plain):  # noqa:
     assert all(drafted <= g for g, drafted in ran) and (0, 0) in ran and (16, 16) in ran, ran
 
 
-def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
+def test_narrowing_picks_the_smallest_power_of_two_and_cuts_trees_after_their_widest_row():
     drafter = SuffixDrafter(SuffixConfig())
     chain = drafter.shape(16)
     tokens = torch.arange(32).view(2, 16)
@@ -385,6 +386,12 @@ def test_narrowing_picks_the_smallest_power_of_two_and_leaves_trees():
     tree = SuffixDrafter(SuffixConfig(tree_nodes=8))
     proposal = Proposal(tokens[:, :8])
     assert narrow(tree, 16, tree.shape(16), proposal, False) == (16, tree.shape(16), proposal)
+    parents = torch.tensor([[-1, 0, 0, 1, -1, -1, -1, -1], [-1, 0, 1, 2, 3, -1, -1, -1]])
+    padded = Proposal(tokens[:, :8], tree=TreeSpec(parents, torch.tensor([4, 5]), 5, 2))
+    gamma, shape, cut = narrow(tree, 16, tree.shape(16), padded, False)
+    assert (gamma, shape.width, shape.tree) == (16, 5, True)
+    assert cut.tokens.tolist() == tokens[:, :5].tolist() and cut.tree.parents.tolist() == parents[:, :5].tolist()
+    assert narrow(tree, 16, tree.shape(16), padded, True) == (16, tree.shape(16), padded)  # a row samples: kept whole
     ngram = build_drafter("ngram", None)  # a device drafter: its longest row is read off num_drafted on a CPU only
     found = Proposal(tokens, num_drafted=torch.tensor([0, 16]))
     assert narrow(ngram, 16, ngram.shape(16), found, False)[0] == 16
