@@ -2,8 +2,8 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--lookups 0,5] [--eagle-head DIR] [--eagle3-head DIR] [--task gsm8k-eval] [--limit 6]
-        [--max-new-tokens 256] [--out DIR]
+        [--frontiers 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head DIR] [--eagle3-head DIR]
+        [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
 
 --lookups sweeps the prompt-lookup chain grafted onto each tree (--tree-lookup; 0: none). Where the prompts
 have categories (`mixed`), x plain is also given per category.
@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
     ap.add_argument("--lookups", type=ints, default=[0], help="prompt-lookup tokens grafted onto the trees (0: none)")
+    ap.add_argument("--lookup-min-ngrams", type=ints, default=[1], help="the shortest n-gram a grafted lookup matches")
     ap.add_argument("--eagle-head", default=None, help="a `specdec train eagle` folder (default: the shipped head)")
     ap.add_argument("--eagle3-head", default=None, help="a `specdec train eagle3` folder: its trees are swept too, "
                                                         "beside EAGLE's (the same shapes, prompt by prompt)")
@@ -53,11 +54,16 @@ def main() -> int:
     heads = {"eagle": {"eagle_path": args.eagle_head}}
     if args.eagle3_head:
         heads["eagle3"] = {"eagle3_path": args.eagle3_head}
-    for depth, frontier, nodes, lookup in itertools.product(args.depths, args.frontiers, args.nodes, args.lookups):
+    for depth, frontier, nodes, lookup, min_ngram in itertools.product(args.depths, args.frontiers, args.nodes, args.lookups,
+                                                                       args.lookup_min_ngrams):
+        if min_ngram != args.lookup_min_ngrams[0] and not lookup:
+            continue  # no lookup: the n-gram size changes nothing
         shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier, "lookup": lookup}
         for drafter, head in heads.items():
             name = f"{drafter} n{nodes} d{depth} f{frontier}" + (f" l{lookup}" if args.lookups != [0] else "")
-            engines[name] = specdec.SpecEngine(model, drafter, DrafterOptions(extra=shape | head))
+            name += f" m{min_ngram}" if len(args.lookup_min_ngrams) > 1 and lookup else ""
+            options = DrafterOptions(extra=shape | head, ngram_max=max(3, min_ngram), ngram_min=min_ngram)
+            engines[name] = specdec.SpecEngine(model, drafter, options)
     config = specdec.SpecConfig(gamma=max(args.depths), max_new_tokens=args.max_new_tokens)
     for engine in engines.values():  # warm up (captures, compiles) on a prompt not measured
         engine.generate(prompts[-1:], config)
