@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.config import NgramConfig
+from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
 from specdec.drafters.ngram import find_continuations
 from specdec.drafters.shipped import trained_folder

@@ -291,11 +291,11 @@ def run_layers_exact(layers: nn.ModuleList, x: Tensor, positions: Tensor, cache,
     """x [B, T, D] (EAGLE-3's layer: [B, T, 2D], see first_inputs) through decoder layers with the Triton
     kernels: q/k/v (+ norm, RoPE, q/k norm, KV write), attention, o_proj (+ residual, + the post-attention
     norm's input), gate_up (+ norm, SiLU·mul), down (+ residual, + the next layer's norm input): five
-    launches per layer, one more per forward (the first layer's norm input; EAGLE-3's, three), and no other work (RoPE angles come from the positions inside
-    the q/k/v kernel; a causal block needs no visibility tables). An RMSNorm is fused as NormedRows: the
-    GEMM that produces the residual stream also writes h ⊙ w and the rows' partial sums of squares, and the
-    GEMM that takes them scales its accumulator by rstd. Writes the new tokens at slots cache.lengths ..
-    + T - 1; the caller advances cache.lengths. `taps` (llama.Taps) keeps the residual stream h entering
+    launches per layer, one more per forward (the first layer's norm input; EAGLE-3's, three), and no
+    other work (RoPE angles come from the positions inside the q/k/v kernel; a causal block needs no
+    visibility tables). An RMSNorm is fused as NormedRows: the GEMM that produces the residual stream also
+    writes h ⊙ w and the rows' partial sums of squares, and the GEMM that takes them scales its accumulator
+    by rstd. Writes the new tokens at slots cache.lengths .. + T - 1; the caller advances cache.lengths. `taps` (llama.Taps) keeps the residual stream h entering
     the layers it names: each h is a fresh output of the GEMM before, never written again, so keeping a
     reference launches nothing."""
     from specdec.models import triton_ops as ops
