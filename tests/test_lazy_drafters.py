@@ -34,9 +34,9 @@ SCHEDULE = [(3, [3, 3])] * 2 + [(0, [0, 0])] + [(3, [3, 3])] + [(0, [0, 0])] * 3
 LEAVE_AT = 9  # the step after which slot 1 leaves and a new row joins it
 
 
-def eagle(target, draft) -> EagleDrafter:
+def eagle(target, draft, lookup: int = 0) -> EagleDrafter:
     return EagleDrafter(target, random_head(target, draft_vocab=64), EagleTreeConfig(depth=3, branch=2, frontier=2,
-                                                                                      total_tokens=6))
+                                                                                      total_tokens=6, lookup=lookup))
 
 
 def eager_stepper(target, drafter) -> Stepper:
@@ -69,9 +69,12 @@ def run_schedule(stepper: Stepper, check=None) -> list[list]:
     return drafts
 
 
-def test_eagle_caught_up_drafts_equal_eager_ones(models):  # noqa: F811
+@pytest.mark.parametrize("lookup", [0, 3], ids=["tree", "tree+lookup"])
+def test_eagle_caught_up_drafts_equal_eager_ones(models, lookup):  # noqa: F811
+    """The lazy catch-up feeds the head what eager feeding (the graphed steppers' state) does: the same
+    drafts, also where a grafted lookup branch was accepted (at most depth + 1 kept, as the eager commit feeds)."""
     target, _, draft = models
-    drafter = eagle(target, draft)
+    drafter = eagle(target, draft, lookup)
     lazy = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
     assert lazy.batch.draft.features is not None and eager_stepper(target, drafter).batch.draft.features is None
     lazy_drafts = run_schedule(lazy)
