@@ -39,7 +39,7 @@ from torch import Tensor
 from specdec.config import NgramConfig
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
-from specdec.drafters.ngram import find_continuations
+from specdec.drafters.ngram import find_continuations, ngram_config
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
@@ -417,14 +417,9 @@ def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
     return EagleTreeConfig(**defaults | given)
 
 
-def lookup_config(options: DrafterOptions) -> NgramConfig:
-    """The n-gram sizes a grafted prompt-lookup chain matches: ngram's options."""
-    return NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
-
-
 @register("eagle")
 def build(target, options: DrafterOptions) -> EagleDrafter:
     head = options.extra.get("eagle_head")
     if head is None:
         head = load_eagle_head(trained_folder("eagle", target, options.extra.get("eagle_path"), "--eagle-head"))
-    return EagleDrafter(target, head, tree_config(target, options), lookup_config(options))
+    return EagleDrafter(target, head, tree_config(target, options), ngram_config(options))

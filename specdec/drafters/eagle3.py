@@ -10,7 +10,8 @@ defaults, `--tree-nodes` and the grafted prompt lookup (`--tree-lookup`) are EAG
 from __future__ import annotations
 
 from specdec.drafters.base import DrafterOptions, register
-from specdec.drafters.eagle import EagleDrafter, lookup_config, tree_config
+from specdec.drafters.eagle import EagleDrafter, tree_config
+from specdec.drafters.ngram import ngram_config
 from specdec.drafters.shipped import trained_folder
 from specdec.models.eagle3 import load_eagle3_head
 
@@ -20,4 +21,4 @@ def build(target, options: DrafterOptions) -> EagleDrafter:
     head = options.extra.get("eagle3_head")
     if head is None:
         head = load_eagle3_head(trained_folder("eagle3", target, options.extra.get("eagle3_path"), "--eagle3-head"))
-    return EagleDrafter(target, head, tree_config(target, options), lookup_config(options))
+    return EagleDrafter(target, head, tree_config(target, options), ngram_config(options))

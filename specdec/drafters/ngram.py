@@ -85,6 +85,11 @@ class NgramDrafter(Stateless):
         return Proposal(tokens=drafts, num_drafted=torch.where(found, gamma, 0))
 
 
+def ngram_config(options: DrafterOptions) -> NgramConfig:
+    """The n-gram sizes a prompt lookup matches (ngram's, suffix's fallback, eagle's --tree-lookup)."""
+    return NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
+
+
 @register("ngram")
 def build(target, options: DrafterOptions) -> NgramDrafter:
-    return NgramDrafter(NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min))
+    return NgramDrafter(ngram_config(options))

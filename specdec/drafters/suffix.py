@@ -88,7 +88,7 @@ from specdec.batch import Row
 from specdec.config import NgramConfig
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, host_tree_proposal, register
 from specdec.drafters.lookahead import rows_in_view
-from specdec.drafters.ngram import find_continuations, look_up
+from specdec.drafters.ngram import find_continuations, look_up, ngram_config
 from specdec.errors import UserError
 from specdec.models import fused
 from specdec.transfer import pack_rows, to_device
@@ -552,4 +552,4 @@ class SuffixDrafter:
 
 @register("suffix")
 def build(target, options: DrafterOptions) -> SuffixDrafter:
-    return SuffixDrafter(SuffixConfig.of(options.extra), NgramConfig(max_ngram=options.ngram_max, min_ngram=options.ngram_min))
+    return SuffixDrafter(SuffixConfig.of(options.extra), ngram_config(options))
