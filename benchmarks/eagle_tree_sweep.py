@@ -2,8 +2,11 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head DIR] [--eagle3-head DIR]
+        [--frontiers 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head shipped,DIR,...] [--eagle3-head DIR]
         [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
+
+Several EAGLE heads (`shipped` names the one in the package) are swept side by side, prompt by prompt. Every
+row also counts the prompts whose greedy output equals plain decoding's (lossless k/n).
 
 --lookups sweeps the prompt-lookup chain grafted onto each tree (--tree-lookup; 0: none). Where the prompts
 have categories (`mixed`), x plain is also given per category.
@@ -39,7 +42,8 @@ def main() -> int:
     ap.add_argument("--frontiers", type=ints, default=[4])
     ap.add_argument("--lookups", type=ints, default=[0], help="prompt-lookup tokens grafted onto the trees (0: none)")
     ap.add_argument("--lookup-min-ngrams", type=ints, default=[1], help="the shortest n-gram a grafted lookup matches")
-    ap.add_argument("--eagle-head", default=None, help="a `specdec train eagle` folder (default: the shipped head)")
+    ap.add_argument("--eagle-head", default="shipped", help="`specdec train eagle` folders, comma-separated, swept side "
+                                                            "by side (`shipped`: the head in the package; the default)")
     ap.add_argument("--eagle3-head", default=None, help="a `specdec train eagle3` folder: its trees are swept too, "
                                                         "beside EAGLE's (the same shapes, prompt by prompt)")
     ap.add_argument("--task", default="gsm8k-eval", help="a built-in task set or a prompts file (bench's --task)")
@@ -51,7 +55,9 @@ def main() -> int:
     tasks = load_tasks(args.task, args.limit + 1)
     prompts = [encode_prompt(model.tokenizer, t.prompt) for t in tasks]
     engines = {"plain": specdec.SpecEngine(model, "none")}
-    heads = {"eagle": {"eagle_path": args.eagle_head}}
+    folders = args.eagle_head.split(",")
+    heads = {"eagle" if len(folders) == 1 else f"eagle[{Path(f).name}]": {"eagle_path": None if f == "shipped" else f}
+             for f in folders}
     if args.eagle3_head:
         heads["eagle3"] = {"eagle3_path": args.eagle3_head}
     for depth, frontier, nodes, lookup, min_ngram in itertools.product(args.depths, args.frontiers, args.nodes, args.lookups,
@@ -59,8 +65,9 @@ def main() -> int:
         if min_ngram != args.lookup_min_ngrams[0] and not lookup:
             continue  # no lookup: the n-gram size changes nothing
         shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier, "lookup": lookup}
-        for drafter, head in heads.items():
-            name = f"{drafter} n{nodes} d{depth} f{frontier}" + (f" l{lookup}" if args.lookups != [0] else "")
+        for label, head in heads.items():
+            drafter = label.split("[")[0]
+            name = f"{label} n{nodes} d{depth} f{frontier}" + (f" l{lookup}" if args.lookups != [0] else "")
             name += f" m{min_ngram}" if len(args.lookup_min_ngrams) > 1 and lookup else ""
             options = DrafterOptions(extra=shape | head, ngram_max=max(3, min_ngram), ngram_min=min_ngram)
             engines[name] = specdec.SpecEngine(model, drafter, options)
@@ -69,22 +76,27 @@ def main() -> int:
         engine.generate(prompts[-1:], config)
     rates = {k: [] for k in engines}
     taus = {k: [] for k in engines}
+    lossless = {k: 0 for k in engines}
     for prompt in prompts[:-1]:
         for name, engine in engines.items():
             out = engine.generate([prompt], config)
             rates[name].append(out.stats.tokens_per_s)
             taus[name].append(out.stats.mean_accepted_length)
+            if name == "plain":
+                plain_tokens = out.rows[0].token_ids
+            lossless[name] += out.rows[0].token_ids == plain_tokens
     categories = sorted({t.category for t in tasks[:-1] if t.category})
     rows = {}
     for name in engines:
         speedups = [a / b for a, b in zip(rates[name], rates["plain"])]
         rows[name] = {"tokens_per_s": statistics.median(rates[name]), "tau": statistics.median(taus[name]),
-                      "x_plain": statistics.median(speedups)}
+                      "x_plain": statistics.median(speedups), "lossless": lossless[name], "prompts": len(speedups)}
         by_category = {c: (statistics.median(x for x, t in zip(speedups, tasks) if t.category == c),
                            statistics.median(x for x, t in zip(taus[name], tasks) if t.category == c)) for c in categories}
         if len(categories) > 1:
             rows[name]["by_category"] = {c: {"x_plain": x, "tau": tau} for c, (x, tau) in by_category.items()}
         print(f"{name:28} {rows[name]['tokens_per_s']:8.1f} tok/s  tau {rows[name]['tau']:.2f}  x plain {rows[name]['x_plain']:.2f}"
+              f"  lossless {lossless[name]}/{len(speedups)}"
               + "".join(f"  {c} {x:.2f}x tau {tau:.2f}" for c, (x, tau) in by_category.items() if len(categories) > 1), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
