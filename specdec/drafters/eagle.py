@@ -6,7 +6,7 @@ log-probability), each giving its `branch` most likely children, for `depth` lev
 `total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
 tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
-Prompt lookup grafted on (`lookup` > 0, off by default): the continuation `ngram` would propose
+Prompt lookup grafted on (`lookup` > 0; by default on a GPU and a quantised CPU target): the continuation `ngram` would propose
 (drafters/ngram.py, on the device) joins the tree as one more branch, merged where the tree already
 holds its first tokens (`graft_chain`), so a row that copies from its prompt or repeats itself (a summary,
 a quoted passage, code) can accept what the head, trained on other text, would not have guessed. Still
@@ -62,13 +62,20 @@ from specdec.verify import TreeSpec, depth_bound
 # frontier 8 tau 4.85 at 2.31x against 16 / 5 / 4's 3.94 at 2.21x; but on `mixed` (20 x 128) tau is
 # 1.55-1.57 for every shape and the wide tree costs (0.79x against 0.92x): kept.
 GPU_TOTAL_TOKENS = 16
+# The prompt lookup grafted onto the tree by default (`lookup`; docs/design.md, "Prompt lookup grafted onto an
+# EAGLE tree"). H200, bf16, 16 nodes, depth 5, frontier 4, `eagle_tree_sweep.py`: on `mixed` (23 x 128) the shipped
+# head went from 0.95x plain (tau 1.58) to 1.79x (3.63) with 5 grafted tokens and 1.69x (3.17) with 3; on
+# gsm8k-eval (10 x 256) 2.22x with and without (tau 3.94 -> 4.22). A GPU verifies the extra nodes for little more.
+GPU_LOOKUP = 5
 # A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
 # verified node costs about a third of a decode step: a chain (one node expanded per level, its best
 # child) pays there, a tree does not. Native Q4_1 default model, 2-core CPU, 4 gsm8k-eval prompts x 128
 # tokens, x plain: chain depth 2 1.20, depth 3 1.17, depth 4 1.10; 3-node tree of branch 2 1.16;
 # frontier 2, branch 2, 4 nodes 1.10; the float default's tree (frontier 4, branch 4) with 6 nodes 0.88
-# (3 prompts).
-QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1}
+# (3 prompts). There the grafted lookup pays out of domain and costs next to nothing in it (2-core CPU, the
+# shipped head, 10 x 256 gsm8k-eval and 23 x 128 mixed, lookup 0 -> 3: gsm8k-eval 1.14x -> 1.13x plain, mixed
+# 0.56x -> 0.95x); 3 tokens, not 5: each grafted node costs there (mixed 0.89x at 5, an earlier run).
+QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1, "lookup": 3}
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,9 @@ class EagleTreeConfig:
     # prompts x 128 tokens) gave depth 3: 3-6 nodes 1.14-1.17x plain, 10 nodes 1.07x; depth 5: 4-10 nodes
     # 0.95-1.02x: within that sweep's noise, so unchanged.
     total_tokens: int = 10
-    lookup: int = 0  # prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none)
+    # Prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none); GPU_LOOKUP on a GPU,
+    # 3 on a quantised CPU target (QUANTISED_CPU_TREE); none on a float CPU target, where it is not measured.
+    lookup: int = 0
 
     def chain(self, depth: int) -> int:
         """Prompt-lookup tokens grafted onto a tree of `depth` levels."""
@@ -410,10 +419,11 @@ def top_indices(x: Tensor, k: int) -> Tensor:
 
 
 def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
-    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS, QUANTISED_CPU_TREE)."""
+    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS and GPU_LOOKUP, QUANTISED_CPU_TREE)."""
     given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
     device = next(target.parameters()).device
-    defaults = {"total_tokens": GPU_TOTAL_TOKENS} if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
+    gpu = {"total_tokens": GPU_TOTAL_TOKENS, "lookup": GPU_LOOKUP}
+    defaults = gpu if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
     return EagleTreeConfig(**defaults | given)
 
 
