@@ -63,8 +63,8 @@ from specdec.verify import TreeSpec, depth_bound
 # 1.55-1.57 for every shape and the wide tree costs (0.79x against 0.92x): kept.
 GPU_TOTAL_TOKENS = 16
 # The prompt lookup grafted onto the tree by default (`lookup`; docs/design.md, "Prompt lookup grafted onto an
-# EAGLE tree"). H200, bf16, 16 nodes, depth 5, frontier 4, `eagle_tree_sweep.py`: on `mixed` (23 x 128) the shipped
-# head went from 0.95x plain (tau 1.58) to 1.79x (3.63) with 5 grafted tokens and 1.69x (3.17) with 3; on
+# EAGLE tree"). H200, bf16, 16 nodes, depth 5, frontier 4, `eagle_tree_sweep.py`: on `mixed` (23 x 128) the then shipped
+# 240k-token head went from 0.95x plain (tau 1.58) to 1.79x (3.63) with 5 grafted tokens and 1.69x (3.17) with 3; on
 # gsm8k-eval (10 x 256) 2.22x with and without (tau 3.94 -> 4.22). A GPU verifies the extra nodes for little more.
 GPU_LOOKUP = 5
 # A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
