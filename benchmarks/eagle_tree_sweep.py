@@ -1,7 +1,7 @@
 """EAGLE tokens/s against the tree's shape (nodes verified per step, depth, frontier), beside plain
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
-    python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--nodes 10,16,24,32] [--depths 5]
+    python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--gguf dequantize] [--nodes 10,16,24,32] [--depths 5]
         [--frontiers 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head shipped,DIR,...] [--eagle3-head DIR]
         [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
 
@@ -37,6 +37,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--gguf", default="auto", help="how the default model's GGUF file runs (native, dequantize; load_model's)")
     ap.add_argument("--nodes", type=ints, default=[4, 6, 8, 10, 15])
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
@@ -51,7 +52,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None, help="write sweep.json here")
     args = ap.parse_args()
-    model = specdec.load_model("default", dtype=args.dtype, device=args.device)
+    model = specdec.load_model("default", dtype=args.dtype, device=args.device, gguf=args.gguf)
     tasks = load_tasks(args.task, args.limit + 1)
     prompts = [encode_prompt(model.tokenizer, t.prompt) for t in tasks]
     engines = {"plain": specdec.SpecEngine(model, "none")}
