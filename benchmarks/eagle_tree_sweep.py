@@ -2,7 +2,7 @@
 decoding, on the default model; prompts interleaved (plain, then every shape, prompt by prompt).
 
     python benchmarks/eagle_tree_sweep.py [--device cuda --dtype bfloat16] [--gguf dequantize] [--nodes 10,16,24,32] [--depths 5]
-        [--frontiers 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head shipped,DIR,...] [--eagle3-head DIR]
+        [--frontiers 4] [--branches 4] [--lookups 0,5] [--lookup-min-ngrams 1,2] [--eagle-head shipped,DIR,...] [--eagle3-head DIR]
         [--task gsm8k-eval] [--limit 6] [--max-new-tokens 256] [--out DIR]
 
 Several EAGLE heads (`shipped` names the one in the package) are swept side by side, prompt by prompt. Every
@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--nodes", type=ints, default=[4, 6, 8, 10, 15])
     ap.add_argument("--depths", type=ints, default=[5])
     ap.add_argument("--frontiers", type=ints, default=[4])
+    ap.add_argument("--branches", type=ints, default=[None], help="children per expanded node (default: the device's, "
+                                                                 "EagleTreeConfig's; 1 with frontier 1 is a chain)")
     ap.add_argument("--lookups", type=ints, default=[0], help="prompt-lookup tokens grafted onto the trees (0: none)")
     ap.add_argument("--lookup-min-ngrams", type=ints, default=[1], help="the shortest n-gram a grafted lookup matches")
     ap.add_argument("--eagle-head", default="shipped", help="`specdec train eagle` folders, comma-separated, swept side "
@@ -61,14 +63,16 @@ def main() -> int:
              for f in folders}
     if args.eagle3_head:
         heads["eagle3"] = {"eagle3_path": args.eagle3_head}
-    for depth, frontier, nodes, lookup, min_ngram in itertools.product(args.depths, args.frontiers, args.nodes, args.lookups,
-                                                                       args.lookup_min_ngrams):
+    for depth, frontier, branch, nodes, lookup, min_ngram in itertools.product(args.depths, args.frontiers, args.branches,
+                                                                                args.nodes, args.lookups, args.lookup_min_ngrams):
         if min_ngram != args.lookup_min_ngrams[0] and not lookup:
             continue  # no lookup: the n-gram size changes nothing
         shape = {"total_tokens": nodes, "depth": depth, "frontier": frontier, "lookup": lookup}
+        shape |= {"branch": branch} if branch else {}
         for label, head in heads.items():
             drafter = label.split("[")[0]
-            name = f"{label} n{nodes} d{depth} f{frontier}" + (f" l{lookup}" if args.lookups != [0] else "")
+            name = f"{label} n{nodes} d{depth} f{frontier}" + (f" b{branch}" if branch else "")
+            name += f" l{lookup}" if args.lookups != [0] else ""
             name += f" m{min_ngram}" if len(args.lookup_min_ngrams) > 1 and lookup else ""
             options = DrafterOptions(extra=shape | head, ngram_max=max(3, min_ngram), ngram_min=min_ngram)
             engines[name] = specdec.SpecEngine(model, drafter, options)

@@ -48,8 +48,8 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-frontier", type=int, default=None, help="eagle, eagle3: nodes expanded per level (default 4)")
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="eagle, eagle3: graft a prompt-lookup chain of this many tokens (at most the depth) onto the tree, "
-                        "for text that copies its prompt or repeats itself (default 5 on a GPU, 3 for a GGUF target on the CPU, "
-                        "else 0: none)")
+                        "for text that copies its prompt or repeats itself (default 5 on a GPU, 3 on the CPU; "
+                        "0: none)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram (and --tree-lookup): longest n-gram matched")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram (and --tree-lookup): shortest n-gram matched")
     p.add_argument("--layers", type=csv(int), default=None, help="layer_skip: target layers the draft keeps, e.g. 0,1,2,29")

@@ -73,19 +73,19 @@ def test_suffix_options_reach_the_drafter():
     assert build_drafter("suffix", None, DrafterOptions(extra=extra)).config.tree_nodes == 8
 
 
-def test_the_grafted_lookup_defaults_by_target_and_yields_to_the_flag():
-    """On by default where it was measured to pay (a GPU: GPU_LOOKUP; a GGUF target on the CPU: 3 tokens), off on a
-    float CPU target (not measured there); --tree-lookup 0 turns it off anywhere."""
+def test_the_grafted_lookup_defaults_by_device_and_yields_to_the_flag():
+    """On by default (GPU_LOOKUP tokens on a GPU, CPU_LOOKUP on the CPU, with a GGUF target's chain too);
+    --tree-lookup 0 turns it off anywhere."""
     from types import SimpleNamespace
 
     from specdec.drafters import DrafterOptions
-    from specdec.drafters.eagle import GPU_LOOKUP, tree_config
+    from specdec.drafters.eagle import CPU_LOOKUP, GPU_LOOKUP, EagleTreeConfig, tree_config
 
     float_cpu = torch.nn.Linear(1, 1)
-    assert tree_config(float_cpu, DrafterOptions()).lookup == 0
+    assert tree_config(float_cpu, DrafterOptions()) == EagleTreeConfig(lookup=CPU_LOOKUP) != EagleTreeConfig()
     gguf_cpu = torch.nn.Linear(1, 1)  # block_format reads layers[0].mlp.down_proj.qtype
     gguf_cpu.layers = [SimpleNamespace(mlp=SimpleNamespace(down_proj=SimpleNamespace(qtype="Q4_1")))]
-    assert tree_config(gguf_cpu, DrafterOptions()).lookup == 3
+    assert tree_config(gguf_cpu, DrafterOptions()) == EagleTreeConfig(frontier=1, branch=1, lookup=CPU_LOOKUP)
     off = cli.drafter_extra(cli.build_parser().parse_args(["bench", "--drafters", "eagle", "--tree-lookup", "0"]))
     assert tree_config(gguf_cpu, DrafterOptions(extra=off)).lookup == 0
     if torch.cuda.is_available():

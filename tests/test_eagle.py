@@ -12,7 +12,7 @@ import specdec
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, graft_chain, rank_order, select_tree, top_indices
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, graft_chain, rank_order, select_tree, top_indices, tree_config
 from specdec.models import kernels
 from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
@@ -131,7 +131,8 @@ def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa:
             assert torch.equal(a, b), name
     options = DrafterOptions(extra={"eagle_path": str(tmp_path / "head")})
     out_a = specdec.SpecEngine(target, "eagle", options).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
-    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, EagleTreeConfig())).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
+    tree = tree_config(target, DrafterOptions())  # the registered drafter's defaults (a grafted lookup too)
+    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, tree)).generate(PROMPTS, specdec.SpecConfig(max_new_tokens=12))
     assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
 
 

@@ -16,7 +16,7 @@ import specdec
 from conftest import DEVICE, build_hf, save_hf, tiny_pair
 from specdec.batch import eos_ids
 from specdec.drafters import DrafterOptions
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, tree_config
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers, load_eagle3_head, save_eagle3_head
@@ -117,7 +117,7 @@ def test_eagle3_registered_and_saved_head_round_trips(flat, tmp_path):
     options = DrafterOptions(extra={"eagle3_path": str(tmp_path / "head")})
     config = specdec.SpecConfig(gamma=4, max_new_tokens=12)
     out_a = specdec.SpecEngine(target, "eagle3", options).generate(PROMPTS, config)
-    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, EagleTreeConfig())).generate(PROMPTS, config)
+    out_b = specdec.SpecEngine(target, EagleDrafter(target, head, tree_config(target, DrafterOptions()))).generate(PROMPTS, config)
     assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
 
 

@@ -6,7 +6,7 @@ log-probability), each giving its `branch` most likely children, for `depth` lev
 `total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
 tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
-Prompt lookup grafted on (`lookup` > 0; by default on a GPU and a quantised CPU target): the continuation `ngram` would propose
+Prompt lookup grafted on (`lookup` > 0; on by default, GPU_LOOKUP / CPU_LOOKUP tokens): the continuation `ngram` would propose
 (drafters/ngram.py, on the device) joins the tree as one more branch, merged where the tree already
 holds its first tokens (`graft_chain`), so a row that copies from its prompt or repeats itself (a summary,
 a quoted passage, code) can accept what the head, trained on other text, would not have guessed. Still
@@ -72,10 +72,14 @@ GPU_LOOKUP = 5
 # child) pays there, a tree does not. Native Q4_1 default model, 2-core CPU, 4 gsm8k-eval prompts x 128
 # tokens, x plain: chain depth 2 1.20, depth 3 1.17, depth 4 1.10; 3-node tree of branch 2 1.16;
 # frontier 2, branch 2, 4 nodes 1.10; the float default's tree (frontier 4, branch 4) with 6 nodes 0.88
-# (3 prompts). There the grafted lookup pays out of domain and costs next to nothing in it (2-core CPU, the
-# shipped head, 10 x 256 gsm8k-eval and 23 x 128 mixed, lookup 0 -> 3: gsm8k-eval 1.14x -> 1.13x plain, mixed
-# 0.56x -> 0.95x); 3 tokens, not 5: each grafted node costs there (mixed 0.89x at 5, an earlier run).
-QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1, "lookup": 3}
+# (3 prompts).
+QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1}
+# The grafted lookup on a CPU: it pays out of domain and costs little in it (2-core CPU, the shipped head,
+# `eagle_tree_sweep.py`, 10 x 256 gsm8k-eval and 23 x 128 mixed, lookup 0 -> 3). Native Q4_1 target (a chain):
+# gsm8k-eval 1.14x -> 1.13x plain, mixed 0.56x -> 0.95x. Float32 target (`--gguf dequantize`, 10 nodes):
+# gsm8k-eval 1.65x -> 1.60x, mixed 0.75x -> 1.22x (1.29x at 5). 3 tokens, not 5: each grafted node costs
+# there, most on the compute-bound quantised target (mixed 0.89x at 5, an earlier run).
+CPU_LOOKUP = 3
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,8 @@ class EagleTreeConfig:
     # prompts x 128 tokens) gave depth 3: 3-6 nodes 1.14-1.17x plain, 10 nodes 1.07x; depth 5: 4-10 nodes
     # 0.95-1.02x: within that sweep's noise, so unchanged.
     total_tokens: int = 10
-    # Prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none); GPU_LOOKUP on a GPU,
-    # 3 on a quantised CPU target (QUANTISED_CPU_TREE); none on a float CPU target, where it is not measured.
+    # Prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none); by default
+    # GPU_LOOKUP on a GPU and CPU_LOOKUP on the CPU (tree_config).
     lookup: int = 0
 
     def chain(self, depth: int) -> int:
@@ -419,11 +423,13 @@ def top_indices(x: Tensor, k: int) -> Tensor:
 
 
 def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
-    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS and GPU_LOOKUP, QUANTISED_CPU_TREE)."""
+    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS, GPU_LOOKUP; CPU_LOOKUP, QUANTISED_CPU_TREE)."""
     given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
     device = next(target.parameters()).device
-    gpu = {"total_tokens": GPU_TOTAL_TOKENS, "lookup": GPU_LOOKUP}
-    defaults = gpu if device.type == "cuda" else QUANTISED_CPU_TREE if block_format(target) else {}
+    if device.type == "cuda":
+        defaults = {"total_tokens": GPU_TOTAL_TOKENS, "lookup": GPU_LOOKUP}
+    else:
+        defaults = {"lookup": CPU_LOOKUP} | (QUANTISED_CPU_TREE if block_format(target) else {})
     return EagleTreeConfig(**defaults | given)
 
 
