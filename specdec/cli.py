@@ -42,10 +42,14 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eagle-head", default=None, help="eagle: a head folder from `specdec train eagle`")
     p.add_argument("--eagle3-head", default=None, help="eagle3: a head folder from `specdec train eagle3`")
     p.add_argument("--medusa-heads", default=None, help="medusa: a heads folder from `specdec train medusa`")
-    p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 10 on the CPU, 16 on a GPU)")
+    p.add_argument("--tree-nodes", type=int, default=None, help="eagle, eagle3: draft tree nodes verified per step (default 16 on a GPU; 10 on the CPU, "
+                                                                       "whose default tree is a chain, see --tree-branch)")
     p.add_argument("--tree-depth", type=int, default=None,
                    help="eagle, eagle3: levels the draft tree grows (default 5; the step's gamma caps it, so give a gamma as large)")
-    p.add_argument("--tree-frontier", type=int, default=None, help="eagle, eagle3: nodes expanded per level (default 4)")
+    p.add_argument("--tree-frontier", type=int, default=None, help="eagle, eagle3: nodes expanded per level (default 4 on a GPU, 1 on the CPU)")
+    p.add_argument("--tree-branch", type=int, default=None,
+                   help="eagle, eagle3: children taken per expanded node (default 4 on a GPU; 1 on the CPU, where the "
+                        "default tree is a chain: give 4 and --tree-frontier 4 for a tree)")
     p.add_argument("--tree-lookup", type=int, default=None,
                    help="eagle, eagle3: graft a prompt-lookup chain of this many tokens (at most the depth) onto the tree, "
                         "for text that copies its prompt or repeats itself (default 5 on a GPU, 3 on the CPU; "
@@ -278,7 +282,7 @@ def add_advise_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--json", action="store_true", help="print the measurements and config as JSON instead of the tables")
 
 
-CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "tree_depth", "tree_frontier", "tree_lookup", "ngram_max",
+CONFIG_KEYS = ("drafter", "gamma", "spec_policy", "spec_threshold", "tree_nodes", "tree_depth", "tree_frontier", "tree_branch", "tree_lookup", "ngram_max",
                "ngram_min", "window", "lookahead_ngram", "guesses", "gamma_policy", "gamma_max", "confidence_threshold",
                "draft_model", "eagle_head", "eagle3_head", "medusa_heads", "layers")
 
@@ -550,10 +554,10 @@ def drafter_extra(args: argparse.Namespace) -> dict:
         layers = read_layer_skip_config(args.layer_skip_config)
     extra = {"eagle_path": args.eagle_head, "eagle3_path": args.eagle3_head, "medusa_path": args.medusa_heads, "layers": layers,
              "window": args.window, "ngram": args.lookahead_ngram, "guesses": args.guesses,
-             "total_tokens": args.tree_nodes, "depth": args.tree_depth, "frontier": args.tree_frontier,
+             "total_tokens": args.tree_nodes, "depth": args.tree_depth, "frontier": args.tree_frontier, "branch": args.tree_branch,
              "lookup": args.tree_lookup, "quant_format": args.quant_format}
     flags = {"window": "--window", "ngram": "--lookahead-ngram", "guesses": "--guesses", "total_tokens": "--tree-nodes",
-             "depth": "--tree-depth", "frontier": "--tree-frontier"}
+             "depth": "--tree-depth", "frontier": "--tree-frontier", "branch": "--tree-branch"}
     for name, flag in flags.items():
         if extra[name] is not None and extra[name] < 1:
             raise UserError(f"{flag} must be >= 1, got {extra[name]}")

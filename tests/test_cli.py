@@ -42,6 +42,7 @@ BAD_INPUTS = [
     (["generate", "hi", "--drafter", "ngram", "--suffix-options", "ahead=1"], "--suffix-options is an option of the suffix drafter"),
     (["generate", "hi", "--drafter", "eagle", "--tree-depth", "0"], "--tree-depth must be >= 1, got 0"),
     (["generate", "hi", "--drafter", "eagle", "--tree-frontier", "-2"], "--tree-frontier must be >= 1, got -2"),
+    (["generate", "hi", "--drafter", "eagle", "--tree-branch", "0"], "--tree-branch must be >= 1, got 0"),
     (["generate", "hi", "--drafter", "eagle", "--tree-lookup", "-1"], "--tree-lookup must be >= 0, got -1"),
 ]
 
@@ -73,23 +74,20 @@ def test_suffix_options_reach_the_drafter():
     assert build_drafter("suffix", None, DrafterOptions(extra=extra)).config.tree_nodes == 8
 
 
-def test_the_grafted_lookup_defaults_by_device_and_yields_to_the_flag():
-    """On by default (GPU_LOOKUP tokens on a GPU, CPU_LOOKUP on the CPU, with a GGUF target's chain too);
-    --tree-lookup 0 turns it off anywhere."""
-    from types import SimpleNamespace
-
+def test_eagles_default_tree_is_the_devices_and_yields_to_the_flags():
+    """A GPU: GPU_TOTAL_TOKENS nodes and a GPU_LOOKUP-token graft; the CPU, whatever the weights' format: a chain with
+    a grafted lookup (CPU_TREE). The flags override either (--tree-lookup 0: no graft)."""
     from specdec.drafters import DrafterOptions
-    from specdec.drafters.eagle import CPU_LOOKUP, GPU_LOOKUP, EagleTreeConfig, tree_config
+    from specdec.drafters.eagle import CPU_TREE, GPU_LOOKUP, GPU_TOTAL_TOKENS, EagleTreeConfig, tree_config
 
-    float_cpu = torch.nn.Linear(1, 1)
-    assert tree_config(float_cpu, DrafterOptions()) == EagleTreeConfig(lookup=CPU_LOOKUP) != EagleTreeConfig()
-    gguf_cpu = torch.nn.Linear(1, 1)  # block_format reads layers[0].mlp.down_proj.qtype
-    gguf_cpu.layers = [SimpleNamespace(mlp=SimpleNamespace(down_proj=SimpleNamespace(qtype="Q4_1")))]
-    assert tree_config(gguf_cpu, DrafterOptions()) == EagleTreeConfig(frontier=1, branch=1, lookup=CPU_LOOKUP)
-    off = cli.drafter_extra(cli.build_parser().parse_args(["bench", "--drafters", "eagle", "--tree-lookup", "0"]))
-    assert tree_config(gguf_cpu, DrafterOptions(extra=off)).lookup == 0
+    cpu = torch.nn.Linear(1, 1)
+    assert tree_config(cpu, DrafterOptions()) == EagleTreeConfig(frontier=1, branch=1, lookup=CPU_TREE["lookup"])
+    assert CPU_TREE["lookup"] > 0
+    given = cli.drafter_extra(cli.build_parser().parse_args(["bench", "--drafters", "eagle", "--tree-lookup", "0", "--tree-frontier", "4"]))
+    assert tree_config(cpu, DrafterOptions(extra=given)) == EagleTreeConfig(frontier=4, branch=1, lookup=0)
     if torch.cuda.is_available():
-        assert tree_config(torch.nn.Linear(1, 1, device="cuda"), DrafterOptions()).lookup == GPU_LOOKUP
+        gpu = tree_config(torch.nn.Linear(1, 1, device="cuda"), DrafterOptions())
+        assert gpu == EagleTreeConfig(total_tokens=GPU_TOTAL_TOKENS, lookup=GPU_LOOKUP)
 
 
 def test_tree_shape_options_reach_the_eagle_tree():
@@ -97,14 +95,15 @@ def test_tree_shape_options_reach_the_eagle_tree():
     from specdec.drafters import DrafterOptions
 
     args = cli.build_parser().parse_args(["bench", "--drafters", "eagle", "--tree-nodes", "64", "--tree-depth", "7",
-                                          "--tree-frontier", "8", "--tree-lookup", "4"])
+                                          "--tree-frontier", "8", "--tree-branch", "3", "--tree-lookup", "4"])
     target = torch.nn.Linear(1, 1)  # tree_config reads only the device of the target's parameters
-    assert tree_config(target, DrafterOptions(extra=cli.drafter_extra(args))) == EagleTreeConfig(depth=7, frontier=8, total_tokens=64, lookup=4)
+    assert tree_config(target, DrafterOptions(extra=cli.drafter_extra(args))) == EagleTreeConfig(depth=7, frontier=8, branch=3, total_tokens=64, lookup=4)
     from specdec.server.cli import drafter_argv
 
-    serve = cli.build_parser().parse_args(["bench-serve", "--drafter", "eagle", "--tree-depth", "7", "--tree-frontier", "8", "--tree-lookup", "4"])
+    serve = cli.build_parser().parse_args(["bench-serve", "--drafter", "eagle", "--tree-depth", "7", "--tree-frontier", "8",
+                                           "--tree-branch", "3", "--tree-lookup", "4"])
     argv = drafter_argv(serve)  # what bench-serve starts `serve` with
-    assert argv[argv.index("--tree-depth") :][:6] == ["--tree-depth", "7", "--tree-frontier", "8", "--tree-lookup", "4"]
+    assert argv[argv.index("--tree-depth") :][:8] == ["--tree-depth", "7", "--tree-frontier", "8", "--tree-branch", "3", "--tree-lookup", "4"]
 
 
 def broken_checkpoint(tmp_path, kind: str):

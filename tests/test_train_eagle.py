@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import specdec
 from conftest import DEVICE, tiny_folder_with_tokenizer, tiny_pair
 from specdec.cli import main
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
+from specdec.drafters.eagle import CPU_TREE, GPU_LOOKUP, EagleDrafter, EagleTreeConfig
 from specdec.models.eagle import load_eagle_head, save_eagle_head
 from specdec.train import eagle as train_module
 from specdec.train.common import CHECKPOINT, first_tokens, frequent_vocab, load_checkpoint
@@ -289,6 +289,9 @@ def test_bench_and_generate_take_an_eagle_head(tmp_path, capsys):
                  "--gammas", "3", "--peers", "", "--out", str(tmp_path / "bench"), "--json", *common]) == 0
     methods = {m["name"]: m for m in json.loads(capsys.readouterr().out)["methods"]}
     assert methods["specdec/eagle/3"]["lossless"] and methods["specdec/eagle/3"]["num_outputs"] == 2
+    lookup = GPU_LOOKUP if DEVICE.startswith("cuda") else CPU_TREE["lookup"]
+    assert methods["specdec/eagle/3"]["tree"]["lookup"] == lookup  # the tree that ran, its defaults included
+    assert "tree" not in methods["specdec/none"]
     assert main(["generate", "the cat sat", "--drafter", "eagle", "--eagle-head", str(tmp_path / "head"),
                  "--check-lossless", "--json", *common]) == 0
     assert json.loads(capsys.readouterr().out)["lossless"] is True

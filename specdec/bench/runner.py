@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 
 import torch
@@ -311,8 +311,13 @@ def run_bench(config: BenchConfig, progress: bool = True) -> dict:
     calibration = calibrate(runner, prompts, records, methods)
     summaries = [summarize(m, records, calibration, config.sampling.greedy) for m in methods]
     for summary in summaries:
-        if summary["family"] == "specdec" and (draft := draft_kernel_path(runner.engines[summary["name"]].drafter)):
+        if summary["family"] != "specdec":
+            continue
+        drafter = runner.engines[summary["name"]].drafter
+        if draft := draft_kernel_path(drafter):
             summary["draft_kernels"] = draft.to_dict()
+        if is_dataclass(tree := getattr(drafter, "tree", None)):  # the shape that ran, defaults included (eagle's lookup)
+            summary["tree"] = asdict(tree)
     for summary in summaries:
         if summary["family"] == OPENAI:
             peer = runner.openai[summary["name"]]

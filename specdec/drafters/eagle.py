@@ -6,7 +6,7 @@ log-probability), each giving its `branch` most likely children, for `depth` lev
 `total_tokens` most confident nodes (a child never scores above its parent, so the kept set is a
 tree). Nodes are deterministic top-k picks (q = None): tree verification stays lossless.
 
-Prompt lookup grafted on (`lookup` > 0; on by default, GPU_LOOKUP / CPU_LOOKUP tokens): the continuation `ngram` would propose
+Prompt lookup grafted on (`lookup` > 0; on by default, GPU_LOOKUP / CPU_TREE's tokens): the continuation `ngram` would propose
 (drafters/ngram.py, on the device) joins the tree as one more branch, merged where the tree already
 holds its first tokens (`graft_chain`), so a row that copies from its prompt or repeats itself (a summary,
 a quoted passage, code) can accept what the head, trained on other text, would not have guessed. Still
@@ -44,7 +44,6 @@ from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
 from specdec.models import fused
-from specdec.models.cpu_quant import block_format
 from specdec.models.eagle import EagleHead, load_eagle_head
 from specdec.sampling import topk_log_probs
 from specdec.verify import TreeSpec, depth_bound
@@ -67,19 +66,16 @@ GPU_TOTAL_TOKENS = 16
 # 240k-token head went from 0.95x plain (tau 1.58) to 1.79x (3.63) with 5 grafted tokens and 1.69x (3.17) with 3; on
 # gsm8k-eval (10 x 256) 2.22x with and without (tau 3.94 -> 4.22). A GPU verifies the extra nodes for little more.
 GPU_LOOKUP = 5
-# A GGUF-quantised target on the CPU is compute-bound (its products dequantise every weight), so each
-# verified node costs about a third of a decode step: a chain (one node expanded per level, its best
-# child) pays there, a tree does not. Native Q4_1 default model, 2-core CPU, 4 gsm8k-eval prompts x 128
-# tokens, x plain: chain depth 2 1.20, depth 3 1.17, depth 4 1.10; 3-node tree of branch 2 1.16;
-# frontier 2, branch 2, 4 nodes 1.10; the float default's tree (frontier 4, branch 4) with 6 nodes 0.88
-# (3 prompts).
-QUANTISED_CPU_TREE = {"frontier": 1, "branch": 1}
-# The grafted lookup on a CPU: it pays out of domain and costs little in it (2-core CPU, the shipped head,
-# `eagle_tree_sweep.py`, 10 x 256 gsm8k-eval and 23 x 128 mixed, lookup 0 -> 3). Native Q4_1 target (a chain):
-# gsm8k-eval 1.14x -> 1.13x plain, mixed 0.56x -> 0.95x. Float32 target (`--gguf dequantize`, 10 nodes):
-# gsm8k-eval 1.65x -> 1.60x, mixed 0.75x -> 1.22x (1.29x at 5). 3 tokens, not 5: each grafted node costs
-# there, most on the compute-bound quantised target (mixed 0.89x at 5, an earlier run).
-CPU_LOOKUP = 3
+# On the CPU a verified node costs a good part of a decode step (a compute-bound verify), so a chain (one node
+# expanded per level, its best child) pays there and a tree does not, with a lookup chain grafted on: it pays
+# out of domain and costs little in it. 2-core CPU, `eagle_tree_sweep.py`, the shipped (2M-token) head, depth 5,
+# medians over gsm8k-eval 10 x 256 and mixed 23 x 128, x plain:
+# - native Q4_1 target (its products dequantise every weight): chain, lookup 0 -> 3: gsm8k-eval 1.14x -> 1.13x,
+#   mixed 0.56x -> 0.95x (lookup 5 gave mixed 0.89x, an earlier run: each grafted node costs there). Earlier, the
+#   240k head, 4 x 128: chain depth 2 1.20, 3 1.17, 4 1.10; a 4-node tree 1.10; the 10-node tree 0.88;
+# - float32 target (`--gguf dequantize`): chain with lookup 3 gsm8k-eval 1.72x, mixed 1.35x; the 10-node tree
+#   (frontier 4, branch 4) with lookup 3 1.59x and 1.19x, without 1.65x and 0.75x.
+CPU_TREE = {"frontier": 1, "branch": 1, "lookup": 3}
 
 
 @dataclass(frozen=True)
@@ -87,13 +83,11 @@ class EagleTreeConfig:
     depth: int = 5  # levels grown (the engine's gamma caps it)
     branch: int = 4  # children taken per expanded node
     frontier: int = 4  # nodes expanded per level
-    # Nodes verified per step; GPU_TOTAL_TOKENS on a GPU. 10 was the best of 4-15 on a 2-core CPU before the
-    # C layer path made verify blocks compute-bound there (docs/design.md); a sweep since (float32, 4 gsm8k-eval
-    # prompts x 128 tokens) gave depth 3: 3-6 nodes 1.14-1.17x plain, 10 nodes 1.07x; depth 5: 4-10 nodes
-    # 0.95-1.02x: within that sweep's noise, so unchanged.
+    # Nodes verified per step: GPU_TOTAL_TOKENS on a GPU; on the CPU the default tree is a chain (CPU_TREE). 10
+    # was the best of 4-15 on a 2-core CPU before the C layer path made verify blocks compute-bound there.
     total_tokens: int = 10
     # Prompt-lookup tokens grafted onto the tree as one more branch (at most depth; 0: none); by default
-    # GPU_LOOKUP on a GPU and CPU_LOOKUP on the CPU (tree_config).
+    # GPU_LOOKUP on a GPU, CPU_TREE's on the CPU (tree_config).
     lookup: int = 0
 
     def chain(self, depth: int) -> int:
@@ -423,13 +417,10 @@ def top_indices(x: Tensor, k: int) -> Tensor:
 
 
 def tree_config(target, options: DrafterOptions) -> EagleTreeConfig:
-    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS, GPU_LOOKUP; CPU_LOOKUP, QUANTISED_CPU_TREE)."""
+    """The tree the options give, over this device's defaults (GPU_TOTAL_TOKENS and GPU_LOOKUP, CPU_TREE)."""
     given = {k: v for k, v in options.extra.items() if k in EagleTreeConfig.__dataclass_fields__}
     device = next(target.parameters()).device
-    if device.type == "cuda":
-        defaults = {"total_tokens": GPU_TOTAL_TOKENS, "lookup": GPU_LOOKUP}
-    else:
-        defaults = {"lookup": CPU_LOOKUP} | (QUANTISED_CPU_TREE if block_format(target) else {})
+    defaults = {"total_tokens": GPU_TOTAL_TOKENS, "lookup": GPU_LOOKUP} if device.type == "cuda" else CPU_TREE
     return EagleTreeConfig(**defaults | given)
 
 

@@ -228,7 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def drafter_argv(args: argparse.Namespace) -> list[str]:
     """The drafter options given to bench-serve, as `specdec serve` arguments."""
     argv = ["--drafter", args.drafter]
-    for name in ("draft_model", "eagle_head", "eagle3_head", "medusa_heads", "tree_nodes", "tree_depth", "tree_frontier", "tree_lookup", "ngram_max",
+    for name in ("draft_model", "eagle_head", "eagle3_head", "medusa_heads", "tree_nodes", "tree_depth", "tree_frontier", "tree_branch", "tree_lookup", "ngram_max",
                  "ngram_min", "layers",
                  "layer_skip_config", "window", "lookahead_ngram", "guesses", "quant_format"):
         value = getattr(args, name)
