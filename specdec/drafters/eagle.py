@@ -67,8 +67,8 @@ GPU_TOTAL_TOKENS = 16
 # gsm8k-eval (10 x 256) 2.22x with and without (tau 3.94 -> 4.22). A GPU verifies the extra nodes for little more.
 GPU_LOOKUP = 5
 # On the CPU a verified node costs a good part of a decode step (a compute-bound verify), so a chain (one node
-# expanded per level, its best child) pays there and a tree does not, with a lookup chain grafted on: it pays
-# out of domain and costs little in it. 2-core CPU, `eagle_tree_sweep.py`, the shipped (2M-token) head, depth 5,
+# expanded per level, its best child) pays there and a tree does not; a grafted lookup pays out of domain and
+# costs little in it. 2-core CPU, `eagle_tree_sweep.py`, the shipped (2M-token) head, depth 5,
 # medians over gsm8k-eval 10 x 256 and mixed 23 x 128, x plain:
 # - native Q4_1 target (its products dequantise every weight): chain, lookup 0 -> 3: gsm8k-eval 1.14x -> 1.13x,
 #   mixed 0.56x -> 0.95x (lookup 5 gave mixed 0.89x, an earlier run: each grafted node costs there). Earlier, the
