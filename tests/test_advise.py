@@ -153,6 +153,10 @@ def test_config_round_trips_into_generate_and_serve(tmp_path):
     assert parse_with_config(["serve", "--config", path, "--gamma", "2"]).gamma == 2  # the command line wins
     plain = str(write_config(tmp_path / "plain", "plain"))
     assert parse_with_config(["serve", "--config", plain]).spec_policy == "off"
+    shape = tmp_path / "shape.json"  # every tree flag is a config key too (CONFIG_KEYS)
+    shape.write_text('{"drafter": "eagle", "tree_branch": 2, "tree_frontier": 3, "tree_lookup": 0}')
+    tree = parse_with_config(["generate", "hi", "--config", str(shape)])
+    assert (tree.tree_branch, tree.tree_frontier, tree.tree_lookup) == (2, 3, 0)
 
 
 @pytest.mark.parametrize("content, message", [
