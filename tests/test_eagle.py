@@ -136,6 +136,19 @@ def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa:
     assert out_a.stats.accepted_per_position == out_b.stats.accepted_per_position
 
 
+def test_a_head_drafting_on_the_cpu_runs_q8_0_blocks(models):  # noqa: F811
+    """A draft level reads the whole head at one row: on the CPU its layers run as Q8_0 blocks beside a float
+    target too (quantize_head); on a GPU they stay the target's dtype. Greedy output is unchanged either way."""
+    from specdec.models import cpu_gemm
+    from specdec.models.linear import Linear
+
+    target, _, _ = models
+    head = random_head(target, draft_vocab=32, seed=3).attach(target)
+    qtypes = {m.qtype for m in head.modules() if isinstance(m, Linear)}
+    on_cpu = next(target.parameters()).device.type == "cpu"
+    assert qtypes == ({"Q8_0"} if on_cpu and cpu_gemm.available() else {None})
+
+
 def test_a_head_attached_for_training_runs_pytorchs_layers(models):  # noqa: F811
     """Training and its held-out metrics run trees as long as the examples (the 7-step training mask): the
     exact path's visibility tables are [B, T, W, W], which ran an H200 out of memory; a training head takes
