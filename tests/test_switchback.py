@@ -8,9 +8,9 @@ import multiprocessing as mp
 
 import pytest
 
-from specdec.server.bench import Counts, LoadPlan, fixed_sampling
+from specdec.server.bench import Counts, LoadPlan, fixed_sampling, format_checks
 from specdec.server.policy import measure_batch_costs
-from specdec.server.switchback import (Load, Turn, check_switchbacks, compare, format_comparisons, measure_turn,
+from specdec.server.switchback import (CONTROL, Load, Turn, check_switchbacks, compare, format_comparisons, measure_turn,
                                        run_switchbacks, write_switchback_report)
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
 
@@ -22,16 +22,17 @@ def turns_of(rates: dict[str, list[float]], concurrency: int = 4, seconds: float
 
 
 def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
+    """With the A/A control: `off` runs a second turn a round under CONTROL's name, compared with `off`."""
     costs = measure_batch_costs(model, [1, 2], [1, 2, 3, 4], context=16, repeats=1)
     plan = LoadPlan(concurrency=(2,), policies=("off", "cost"), requests=None, max_tokens=6,
                     sampling=fixed_sampling(0.0), threshold=2, repeats=3)
     with serving(make_scheduler(model, policy="off", costs=costs), admin=True) as (url, _):
-        health, loads = run_switchbacks(url, KEY, PROMPTS, plan, seconds=0.4)
+        health, loads = run_switchbacks(url, KEY, PROMPTS, plan, seconds=0.3, control=True)
     [load] = loads
-    assert [(t.round, t.policy) for t in load.turns] == [(0, "off"), (0, "cost"), (1, "cost"), (1, "off"),
-                                                         (2, "off"), (2, "cost")]  # each round's order reversed
-    assert all(t.tokens > 0 and 0.35 < t.seconds < 1.5 for t in load.turns)
-    assert all(set(t.steps_by_gamma) <= {0} for t in load.turns if t.policy == "off")
+    assert [(t.round, t.policy) for t in load.turns] == [(0, "off"), (0, "cost"), (0, CONTROL), (1, CONTROL), (1, "cost"),
+                                                         (1, "off"), (2, "off"), (2, "cost"), (2, CONTROL)]  # reversed
+    assert all(t.tokens > 0 and 0.25 < t.seconds < 1.5 for t in load.turns)
+    assert all(set(t.steps_by_gamma) <= {0} for t in load.turns if t.policy in ("off", CONTROL))
     assert all(0 < t.step_tokens <= t.tokens and 0 < t.step_seconds < t.seconds for t in load.turns)
     assert [t.start_s for t in load.turns] == sorted(t.start_s for t in load.turns) and load.turns[0].start_s >= 0.4
     assert load.requests > 2 and load.ok == load.requests and load.lost == 0 and load.rows_freed  # stopped cleanly
@@ -40,9 +41,12 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
                                                                                "cpu_cores": 1, "torch": "t"}, loads, 0.4)
     assert {f.name for f in files} == {"results.json", "report.md", "turns.png"}
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["config"]["switchback_s"] == 0.4 and len(results["loads"][0]["turns"]) == 6
-    assert [(c["policy"], c["measure"]) for c in results["comparisons"]] == [("cost", "throughput"), ("cost", "steps")]
+    assert results["config"]["switchback_s"] == 0.4 and len(results["loads"][0]["turns"]) == 9
+    assert [(c["policy"], c["measure"]) for c in results["comparisons"]] == [
+        ("cost", "throughput"), ("cost", "steps"), (CONTROL, "throughput"), (CONTROL, "steps")]
     assert results["comparisons"][0]["rounds"] == 3
+    [cost_vs_off] = [t for t in results["targets"] if t["name"] == "cost / off at c=2"]
+    assert cost_vs_off["note"].startswith("A/A control, off against itself: ")
     assert "cost / off at c=2" in (tmp_path / "report.md").read_text()
 
 
@@ -80,6 +84,19 @@ def test_targets_judge_cost_against_off_and_the_better_of_off_and_on():
     assert checks["requests lost or malformed, of 10"].value == 0
     table = format_comparisons([load])
     assert "1.400 (paired 1.400, 95 % 1.400-1.400) vs off; 0.933 (paired 0.933" in table
+    assert not checks["cost / off at c=8"].note  # no control ran
+
+
+def test_the_cost_target_quotes_the_a_a_controls_spread():
+    """`off` against itself (CONTROL) is compared as a policy is, and the cost/off line carries its ratio and
+    interval; the judgement stays the point estimate's."""
+    load = Load(4, turns_of({"off": [100, 104, 96], "cost": [99, 101, 97], CONTROL: [102, 98, 97]}), 10, 10, 0, True)
+    [check] = [c for c in check_switchbacks([load]) if c.name == "cost / off at c=4"]
+    aa = compare(load.turns, CONTROL, "off", 4)
+    assert not check.met and check.value == pytest.approx(297 / 300)
+    assert check.note == f"A/A control, off against itself: {aa.ratio:.3f} (95 % {aa.low:.3f}-{aa.high:.3f})"
+    assert f"target >= 1.00 missed ({check.note})" in format_checks([check])[0]
+    assert "vs off" in format_comparisons([load]).split(CONTROL)[1]
 
 
 def test_a_stopped_count_hands_out_no_more_requests():
@@ -91,6 +108,8 @@ def test_a_stopped_count_hands_out_no_more_requests():
 @pytest.mark.parametrize("argv, message", [
     (["--switchback", "0"], "--switchback must be a positive number of seconds, got 0.0"),
     (["--switchback", "2", "--disconnect-fraction", "0.1"], "--switchback measures throughput only"),
+    (["--control"], "--control is an A/A turn of --switchback: add --switchback SECONDS"),
+    (["--switchback", "2", "--control", "--policies", "on,cost"], "--control compares `off` with itself: add off"),
 ])
 def test_switchback_argument_errors_are_one_line(capsys, argv, message):
     from specdec.cli import main

@@ -215,6 +215,7 @@ class TargetCheck:
     value: float | int  # a ratio, or a count
     target: str  # e.g. ">= 1.00"
     met: bool
+    note: str = ""  # what the line adds, e.g. an A/A control's spread (switchback.check_switchbacks)
 
 
 def plan_request(plan: LoadPlan, prompts: list[str], index: int) -> RequestSpec:
@@ -881,7 +882,7 @@ def short_level_note(levels: list[LevelResult]) -> str | None:
 
 def format_checks(checks: list[TargetCheck]) -> list[str]:
     return [f"- {c.name} = {c.value if isinstance(c.value, int) else f'{c.value:.3f}'}: target {c.target} "
-            f"{'met' if c.met else 'missed'}" for c in checks]
+            f"{'met' if c.met else 'missed'}" + (f" ({c.note})" if c.note else "") for c in checks]
 
 
 def level_name(lv: LevelResult) -> str:

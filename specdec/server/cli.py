@@ -118,6 +118,9 @@ def add_server_commands(sub) -> None:
                         "rounds, the order reversed every other round) instead of in levels one after another: drift "
                         "in the machine's speed cancels in the ratios, which come with a 95 %% bootstrap interval; "
                         "measures throughput only (no TTFT)")
+    b.add_argument("--control", action="store_true",
+                   help="with --switchback: each round runs `off` once more, as `off-control`, an A/A comparison with "
+                        "`off` that shows how far the harness alone moves a ratio (the cost/off target's line quotes it)")
     b.add_argument("--no-warmup", action="store_true", help="time each level cold (no untimed wave first, so graph captures count)")
     b.add_argument("--client-processes", type=int, default=None,
                    help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
@@ -274,6 +277,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--switchback must be a positive number of seconds, got {args.switchback}")
     if args.switchback is not None and args.disconnect_fraction:
         raise UserError("--switchback measures throughput only: leave out --disconnect-fraction")
+    if args.control and args.switchback is None:
+        raise UserError("--control is an A/A turn of --switchback: add --switchback SECONDS")
+    if args.control and "off" not in args.policies:
+        raise UserError("--control compares `off` with itself: add off to --policies")
     if args.client_processes is not None and args.client_processes < 1:
         raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
     prompts = prompts_for(args.task, args.limit)
@@ -354,7 +361,7 @@ def run_switchback_load(args: argparse.Namespace, plan, prompts: list[str], conf
 
     out = Path(args.out)
     with benched_server(args, out) as (url, key):
-        health, loads = run_switchbacks(url, key, prompts, plan, args.switchback)
+        health, loads = run_switchbacks(url, key, prompts, plan, args.switchback, args.control)
     files = write_switchback_report(out, config_of(health), hardware(health), loads, args.switchback)
     if args.json:
         print(files[0].read_text())

@@ -25,6 +25,13 @@ of plain steps ranged over 106-191 tok/s with it), and this ratio leaves that ou
 token do not depend on the policy, it lies on the same side of 1 as the throughput ratio, farther from
 it. A diagnostic: the targets judge throughput.
 
+`--control` adds an A/A comparison: each round runs `off` a second time, as CONTROL, compared with `off` as
+the other policies are. The two run the same steps, so how far their ratio lands from 1.0, and its interval, show
+what the harness alone does to a ratio at this load. On a 2-core AMD EPYC (EAGLE, native default model, 16
+rounds of 5 s) it gave 0.994 (0.944-1.045) at 4 clients and 0.983 (0.955-1.015) at 16, beside `cost` / `off`
+0.977 (0.937-1.020) and 0.979 (0.895-1.067) with every `cost` step a plain one, as `off`'s. The cost/off
+target's line quotes it.
+
 Not measured here: TTFT and request latencies (a request spans turns); plain bench-serve levels measure
 them. Carried over a switch: a drafter's state (EAGLE catches up on the tokens a plain turn emitted when
 drafting resumes, which `cost` pays too when it resumes drafting on its own), and what `cost` learned
@@ -53,6 +60,7 @@ GENERATED = "specdec_generation_tokens_total"
 FIRSTS = "specdec_time_to_first_token_seconds_count"
 STEP_PARTS = ("host", "wait")  # the decode thread's time on steps (server/metrics.DECODE_PARTS)
 MEASURES = ("throughput", "steps")  # what compare() compares (amounts)
+CONTROL = "off-control"  # --control: `off` again under a name of its own (module docstring)
 SETTLE_STEPS = 2  # steps read after a switch before a turn starts (the module docstring)
 SETTLE_POLL_S = 0.01  # how often `settle` reads /metrics
 SETTLE_MOST_S = 2.0  # a server taking no step meanwhile (idle, or reading prompts) starts the turn anyway
@@ -108,9 +116,15 @@ class Comparison:
     high: float
 
 
+def switched_to(label: str) -> str:
+    """The policy a turn labelled `label` runs (CONTROL runs `off`)."""
+    return "off" if label == CONTROL else label
+
+
 async def run_switchback(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, concurrency: int,
-                         seconds: float, progress) -> Load:
-    """Every round's turns at one concurrency, under one continuous load (module docstring)."""
+                         seconds: float, progress, labels: tuple[str, ...]) -> Load:
+    """Every round's turns at one concurrency, under one continuous load (module docstring); `labels`: the turns
+    of a round, the policies and CONTROL where asked."""
     async with http_client(url, headers, concurrency) as client:
         for policy in plan.policies:  # a wave under each: the bucket's graphs for every policy's gammas
             await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
@@ -123,12 +137,12 @@ async def run_switchback(url: str, headers: dict, model: str, prompts: list[str]
         await asyncio.sleep(seconds)  # the load ramps up
         turns = []
         for r in range(plan.repeats):
-            for policy in policy_order(plan.policies, r):
-                await asyncio.to_thread(switch_policy, url, headers, policy, plan.threshold)
+            for label in policy_order(labels, r):
+                await asyncio.to_thread(switch_policy, url, headers, switched_to(label), plan.threshold)
                 before, start = await settle(client)
                 await asyncio.sleep(seconds)
                 after, end = await scrape(client), time.monotonic()
-                turns.append(measure_turn(policy, concurrency, r, start - t0, end - start, before, after))
+                turns.append(measure_turn(label, concurrency, r, start - t0, end - start, before, after))
                 progress.update(1)
         sent = counts.stop()
         results = results_of(await streams.done, sent)
@@ -164,19 +178,22 @@ def measure_turn(policy: str, concurrency: int, round: int, start_s: float, seco
     return Turn(policy, concurrency, round, start_s, seconds, tokens, steps_by_gamma(before, after), tokens - firsts, on_steps)
 
 
-def run_switchbacks(url: str, key: str | None, prompts: list[str], plan: LoadPlan, seconds: float) -> tuple[dict, list[Load]]:
-    """A continuous load per concurrency against the server at url; (server /health, loads)."""
+def run_switchbacks(url: str, key: str | None, prompts: list[str], plan: LoadPlan, seconds: float,
+                    control: bool = False) -> tuple[dict, list[Load]]:
+    """A continuous load per concurrency against the server at url; (server /health, loads). control: each
+    round runs `off` once more, as CONTROL (module docstring)."""
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     model, health = server_info(url, headers)
     if plan.client_processes is None and not str(health.get("device", "")).startswith("cuda"):
         plan = replace(plan, client_processes=1)  # as run_load: a CPU server sends far less than one process parses
+    labels = plan.policies + ((CONTROL,) if control else ())
     loads = []
-    with tqdm(total=len(plan.concurrency) * plan.repeats * len(plan.policies), unit="turn", desc="bench-serve") as progress:
+    with tqdm(total=len(plan.concurrency) * plan.repeats * len(labels), unit="turn", desc="bench-serve") as progress:
         for c in plan.concurrency:
             progress.set_postfix_str(f"c={c}")
-            loads.append(asyncio.run(run_switchback(url, headers, model, prompts, plan, c, seconds, progress)))
+            loads.append(asyncio.run(run_switchback(url, headers, model, prompts, plan, c, seconds, progress, labels)))
     return health, loads
 
 
@@ -221,14 +238,19 @@ def comparisons(loads: list[Load]) -> list[Comparison]:
 
 
 def check_switchbacks(loads: list[Load]) -> list[TargetCheck]:
-    """Issue 13's `cost` targets on the turns' ratios (over every round), and no request lost or left running."""
+    """Issue 13's `cost` targets on the turns' ratios (over every round), and no request lost or left running.
+    Where the load ran CONTROL, the cost/off line quotes its A/A ratio and interval."""
     found = {(c.policy, c.baseline, c.concurrency): c for c in comparisons(loads) if c.measure == "throughput"}
     checks = []
     for load in loads:
         c = load.concurrency
-        off, on = found.get(("cost", "off", c)), found.get(("cost", "on", c))
+        off, on, aa = found.get(("cost", "off", c)), found.get(("cost", "on", c)), found.get((CONTROL, "off", c))
         if off is not None:
-            checks += cost_checks(c, off.ratio, on.ratio if on is not None else None)
+            mine = cost_checks(c, off.ratio, on.ratio if on is not None else None)
+            if aa is not None:
+                mine[0] = replace(mine[0], note=f"A/A control, off against itself: {aa.ratio:.3f} "
+                                                f"(95 % {aa.low:.3f}-{aa.high:.3f})")
+            checks += mine
     return checks + check_requests(loads, "loads")
 
 
@@ -278,6 +300,9 @@ def write_switchback_report(out: Path, config: dict, hw: dict, loads: list[Load]
           "compares decode steps alone (the tokens they emitted over the decode thread's time on them: prefills and idle "
           "time left out), which the number of prefills a turn happens to hold does not move; a diagnostic, the "
           "targets judge throughput.", "",
+          *([f"`{CONTROL}` runs `off` again under its own name: its ratio to `off` (an A/A comparison) shows how far "
+             "the harness alone moves a ratio here.", ""] if any(t.policy == CONTROL for load in loads for t in load.turns)
+            else []),
           format_comparisons(loads), "", "## Targets (issue 13), from the turns", "", *format_checks(checks), "",
           "## Requests", "", request_line(loads) + ".",
           *[f"- c={load.concurrency}: {e}" for load in loads for e in load.errors], ""]
