@@ -230,3 +230,52 @@ def test_a_request_arriving_during_a_step_is_read_beside_it(model, monkeypatch):
     scheduler.stop()
     assert scheduler.metrics.prefills_during_step >= 1
     assert ["".join(texts[i]) for i in texts] == [reference_text(model, text, n) for text, n in prompts]
+
+
+def test_a_second_arrival_during_the_same_step_is_read_beside_it_too(model, monkeypatch):  # noqa: F811
+    """CUDA: a request arriving while another arrival's prompt is read during a step is read beside that same
+    step (Scheduler.admit_during reads one group after another until the step has run), not a turn later;
+    every text is still plain greedy's."""
+    scheduler = Scheduler(model, build_drafter("ngram", model), Codec(model.tokenizer), SpecPolicy("on", gamma=3),
+                          SchedulerConfig(max_batch=8, context=256))
+    if scheduler.full.prefill_stream is None:
+        pytest.skip("prompts have a stream of their own only on CUDA")
+    import torch
+
+    prompts = [(SHORT, 40), (LONG, 40), ("the mat , the cat", 12), ("the cat , the mat", 12)]
+    texts = {i: [] for i in range(len(prompts))}
+
+    def request(i: int) -> GenerationRequest:
+        text, max_tokens = prompts[i]
+        return GenerationRequest(model.tokenizer(text)["input_ids"], max_tokens, SamplingParams(), (),
+                                 lambda event: texts[i].append(event.text))
+
+    for i in (0, 1):
+        scheduler.submit(request(i))
+    while len(scheduler.running) < 2:
+        scheduler.turn()
+    launch, read_prompts, turns, launches, reads = scheduler.ops.launch, scheduler.read_prompts, [0], [0], []
+
+    def late_launch(n, gamma, quiet):  # each step queues behind ~50 ms of device time
+        torch.cuda._sleep(100_000_000)
+        launch(n, gamma, quiet)
+        launches[0] += 1
+        if launches[0] == 3:  # the step read next (the one before) is behind a sleep too: it waits ~50 ms
+            scheduler.submit(request(2))
+
+    def counted_read(during_step: bool = False) -> bool:
+        read = read_prompts(during_step)
+        if read:
+            reads.append((turns[0], during_step))
+            if len(reads) == 1:  # the fourth request arrives as the third's prompt has been read
+                scheduler.submit(request(3))
+        return read
+
+    monkeypatch.setattr(scheduler.ops, "launch", late_launch)
+    monkeypatch.setattr(scheduler, "read_prompts", counted_read)
+    while scheduler.num_running or scheduler.waiting:
+        scheduler.turn()
+        turns[0] += 1
+    scheduler.stop()
+    assert reads[:2] == [(reads[0][0], True)] * 2  # both beside one step, in one turn
+    assert ["".join(texts[i]) for i in texts] == [reference_text(model, text, n) for text, n in prompts]
