@@ -6,14 +6,15 @@
 # Stages, meant to run one after another on one machine (a stage's compile caches serve the next):
 #   warm   a short bench-serve over every bucket and policy, so that later servers find their Triton and
 #          graph caches warm (a cold start's captures took 306 s on an H200, a warm one 73 s)
-#   sweep  bench-serve at 1..64 clients, cost / off / on, 3 passes; then 1 and 32 clients again with longer
-#          levels (24 requests a client), where the 8-a-client levels last about a second
+#   sweep  bench-serve at 1..64 clients, cost / off / on, 3 passes (about 320 s on an H200)
+#   long   1 and 32 clients again with longer levels (24 requests a client), where the 8-a-client levels of
+#          the sweep last about a second (about 210 s)
 #   load   2000 requests at 32 clients, mixed sampling, 10 % disconnecting: none lost, memory flat
 #   one    one client: a --max-batch 1 server benched three times (off, on), then the engine on the same
 #          prompts: the server's EAGLE against its own off and against the engine's EAGLE
 # Each stage writes under OUT/<stage>. SPECDEC (default: python3 -m specdec.cli) runs specdec.
 set -euo pipefail
-STAGE=${1:?stage: warm, sweep, load or one}
+STAGE=${1:?stage: warm, sweep, long, load or one}
 OUT=${2:?output folder}
 SPECDEC=${SPECDEC:-python3 -m specdec.cli}
 SERVE=(--model default --drafter eagle --device cuda --task gsm8k-eval --max-tokens 64-128)
@@ -25,9 +26,10 @@ warm)
         --no-warmup --out "$OUT/warm" ;;
 sweep)
     $SPECDEC bench-serve "${SERVE[@]}" --concurrency 1,2,4,8,16,32,64 --policies cost,off,on --repeats 3 \
-        --out "$OUT/sweep"
+        --out "$OUT/sweep" ;;
+long)
     $SPECDEC bench-serve "${SERVE[@]}" --concurrency 1,32 --policies cost,off,on --repeats 3 \
-        --requests-per-client 24 --max-batch 64 --out "$OUT/sweep-long" ;;
+        --requests-per-client 24 --max-batch 64 --out "$OUT/long" ;;
 load)
     $SPECDEC bench-serve "${SERVE[@]}" --concurrency 32 --policies cost --requests 2000 --sampling-mix \
         --disconnect-fraction 0.1 --out "$OUT/load" ;;
@@ -46,5 +48,5 @@ one)
     $SPECDEC bench --task gsm8k-eval --limit 10 --max-new-tokens 128 --device cuda --drafters eagle --gammas 5 \
         --peers "" --out "$OUT/engine" ;;
 *)
-    echo "unknown stage $STAGE: warm, sweep, load or one" >&2; exit 2 ;;
+    echo "unknown stage $STAGE: warm, sweep, long, load or one" >&2; exit 2 ;;
 esac
