@@ -194,16 +194,14 @@ def test_serve_refuses_a_prefill_chunk_below_one(capsys):
     assert "--prefill-chunk must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_a_request_arriving_during_a_step_is_read_beside_it(model, monkeypatch):  # noqa: F811
-    """CUDA: with two rows running, a request arriving while the decode thread waits for a step has its
-    prompt read then (Scheduler.admit_during), not after the step; every text is still plain greedy's."""
+def two_rows_running(model, later: list[tuple[str, int]], max_batch: int = 4):  # noqa: F811
+    """CUDA only (skips elsewhere): a server's scheduler decoding SHORT and LONG greedily; the maker of the
+    requests for those and for the `later` (text, max_tokens), by index; and the texts each request got."""
     scheduler = Scheduler(model, build_drafter("ngram", model), Codec(model.tokenizer), SpecPolicy("on", gamma=3),
-                          SchedulerConfig(max_batch=4, context=256))
+                          SchedulerConfig(max_batch=max_batch, context=256))
     if scheduler.full.prefill_stream is None:
         pytest.skip("prompts have a stream of their own only on CUDA")
-    import torch
-
-    prompts = [(SHORT, 40), (LONG, 40), ("the mat , the cat", 12)]
+    prompts = [(SHORT, 40), (LONG, 40), *later]
     texts = {i: [] for i in range(len(prompts))}
 
     def request(i: int) -> GenerationRequest:
@@ -215,6 +213,15 @@ def test_a_request_arriving_during_a_step_is_read_beside_it(model, monkeypatch):
         scheduler.submit(request(i))
     while len(scheduler.running) < 2:
         scheduler.turn()
+    return scheduler, request, prompts, texts
+
+
+def test_a_request_arriving_during_a_step_is_read_beside_it(model, monkeypatch):  # noqa: F811
+    """CUDA: with two rows running, a request arriving while the decode thread waits for a step has its
+    prompt read then (Scheduler.admit_during), not after the step; every text is still plain greedy's."""
+    scheduler, request, prompts, texts = two_rows_running(model, [("the mat , the cat", 12)])
+    import torch
+
     launch, third = scheduler.ops.launch, []
 
     def late_launch(n, gamma, quiet):  # the step queues behind ~50 ms of device time; a request arrives meanwhile
@@ -236,24 +243,10 @@ def test_a_second_arrival_during_the_same_step_is_read_beside_it_too(model, monk
     """CUDA: a request arriving while another arrival's prompt is read during a step is read beside that same
     step (Scheduler.admit_during reads one group after another until the step has run), not a turn later;
     every text is still plain greedy's."""
-    scheduler = Scheduler(model, build_drafter("ngram", model), Codec(model.tokenizer), SpecPolicy("on", gamma=3),
-                          SchedulerConfig(max_batch=8, context=256))
-    if scheduler.full.prefill_stream is None:
-        pytest.skip("prompts have a stream of their own only on CUDA")
+    scheduler, request, prompts, texts = two_rows_running(
+        model, [("the mat , the cat", 12), ("the cat , the mat", 12)], max_batch=8)
     import torch
 
-    prompts = [(SHORT, 40), (LONG, 40), ("the mat , the cat", 12), ("the cat , the mat", 12)]
-    texts = {i: [] for i in range(len(prompts))}
-
-    def request(i: int) -> GenerationRequest:
-        text, max_tokens = prompts[i]
-        return GenerationRequest(model.tokenizer(text)["input_ids"], max_tokens, SamplingParams(), (),
-                                 lambda event: texts[i].append(event.text))
-
-    for i in (0, 1):
-        scheduler.submit(request(i))
-    while len(scheduler.running) < 2:
-        scheduler.turn()
     launch, read_prompts, turns, launches, reads = scheduler.ops.launch, scheduler.read_prompts, [0], [0], []
 
     def late_launch(n, gamma, quiet):  # each step queues behind ~50 ms of device time
