@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from specdec.config import SamplingParams, SpecConfig
+from specdec.config import SamplingParams, spec_config_for
 from specdec.drafters import DrafterOptions
 from specdec.engine import GenerateOutput, SpecEngine
 from specdec.errors import UserError
@@ -58,7 +58,7 @@ def generate(
     prompts: str | list[str] | list[list[int]],
     model="default",
     drafter: str = "ngram",
-    gamma: int = 4,
+    gamma: int | str = 4,
     sampling: SamplingParams | None = None,
     max_new_tokens: int = 256,
     draft_model=None,
@@ -66,13 +66,16 @@ def generate(
     chat: bool = True,
     ngram_max: int = 3,
     ngram_min: int = 1,
+    gamma_policy: str = "cost",
 ) -> GenerateOutput:
     """Generate for one prompt or a batch. `model` and `draft_model` are names/paths or loaded models;
     prompts are strings (chat template applied unless chat=False) or lists of token ids. Models loaded
     by name and the engine (drafter heads, CUDA graphs) are kept for the next call with the same
-    model, drafter and options (see clear_cache)."""
+    model, drafter and options (see clear_cache). gamma: draft tokens per step, or "auto" (chosen per row
+    by `gamma_policy`, as the CLI's `--gamma auto`)."""
     target = remember(MODELS, model, lambda: load_model(model), MAX_MODELS) if isinstance(model, str) else model
-    config = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
+    config = spec_config_for(gamma, gamma_policy, max_new_tokens=max_new_tokens, stop=tuple(stop),
+                             sampling=sampling or SamplingParams())
     options = DrafterOptions(draft_model=draft_model, ngram_max=ngram_max, ngram_min=ngram_min)
     key = (identity(target), drafter, identity(draft_model), ngram_max, ngram_min)
     engine = remember(ENGINES, key, lambda: SpecEngine(target, drafter, options), MAX_ENGINES)

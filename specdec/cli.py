@@ -106,12 +106,11 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def spec_config(args: argparse.Namespace, sampling, **extra):
     """SpecConfig from --gamma (a number or 'auto') and the policy arguments."""
-    from specdec.config import SpecConfig
+    from specdec.config import spec_config_for
 
-    auto = args.gamma == "auto"
-    return SpecConfig(gamma=4 if auto else args.gamma, gamma_policy=args.gamma_policy if auto else "fixed",
-                      gamma_max=args.gamma_max, confidence_threshold=args.confidence_threshold,
-                      max_new_tokens=args.max_new_tokens, sampling=sampling, **extra)
+    return spec_config_for(args.gamma, args.gamma_policy, gamma_max=args.gamma_max,
+                           confidence_threshold=args.confidence_threshold, max_new_tokens=args.max_new_tokens,
+                           sampling=sampling, **extra)
 
 
 def add_tp_arg(p: argparse.ArgumentParser) -> None:

@@ -58,6 +58,8 @@ class SpecConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int):
+            raise UserError(f"gamma must be a whole number, got {self.gamma!r}")
         if self.gamma < 1:
             raise UserError(f"gamma must be >= 1, got {self.gamma}")
         from specdec.adaptive import POLICIES
@@ -70,3 +72,16 @@ class SpecConfig:
             raise UserError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+AUTO_GAMMA_START = 4  # where an adaptive policy starts from with gamma "auto"
+
+
+def spec_config_for(gamma: int | str, gamma_policy: str = "cost", **fields) -> SpecConfig:
+    """SpecConfig for a gamma given as a number (drafted at every step) or "auto" (chosen per row by
+    `gamma_policy`, from AUTO_GAMMA_START): the CLI's `--gamma` and `specdec.generate`'s `gamma`."""
+    if gamma == "auto":
+        return SpecConfig(gamma=AUTO_GAMMA_START, gamma_policy=gamma_policy, **fields)
+    if isinstance(gamma, str):
+        raise UserError(f"gamma must be a whole number or 'auto', got {gamma!r}")
+    return SpecConfig(gamma=gamma, **fields)

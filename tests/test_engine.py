@@ -3,6 +3,8 @@ decode (float32), compared with specdec's plain decoding and with transformers `
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import specdec
 from conftest import DEVICE, on_device, tiny_pair
 from specdec import SamplingParams, SpecConfig, SpecEngine
 from specdec.drafters import DrafterOptions
+from specdec.models import load_model
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 40
@@ -124,6 +127,26 @@ def test_generate_reuses_its_model_and_engine_across_calls(tmp_path, monkeypatch
     assert [r.token_ids for r in first.rows] == [r.token_ids for r in again.rows] == [r.token_ids for r in other.rows]
     api.clear_cache()
     assert not api.MODELS and not api.ENGINES
+
+
+def test_generate_takes_gamma_auto_as_the_cli_does(tmp_path):
+    """specdec.generate(gamma="auto") drafts by the cost policy (the CLI's --gamma auto) and gives plain greedy's
+    tokens; a gamma that is neither a whole number nor "auto" is one clear error, not a TypeError."""
+    from specdec.config import AUTO_GAMMA_START, spec_config_for
+    from specdec.errors import UserError
+
+    tiny_pair(tmp_path, "llama", seed=4, logit_scale=8.0)
+    target = load_model(str(tmp_path / "llama-4"), dtype="float32", device=DEVICE)
+    auto = specdec.generate(PROMPTS, model=target, drafter="ngram", gamma="auto", max_new_tokens=8)
+    plain = specdec.generate(PROMPTS, model=target, drafter="none", max_new_tokens=8)
+    assert [r.token_ids for r in auto.rows] == [r.token_ids for r in plain.rows]
+    config = spec_config_for("auto", max_new_tokens=8)
+    assert (config.gamma, config.gamma_policy) == (AUTO_GAMMA_START, "cost")
+    assert spec_config_for(3).gamma_policy == "fixed"
+    for bad, message in (("four", "gamma must be a whole number or 'auto', got 'four'"),
+                         (2.5, "gamma must be a whole number, got 2.5"), (0, "gamma must be >= 1, got 0")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            specdec.generate(PROMPTS, model=target, gamma=bad, max_new_tokens=8)
 
 
 def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypatch):
