@@ -34,7 +34,7 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
     assert all(t.tokens > 0 and 0.25 < t.seconds < 1.5 for t in load.turns)
     assert all(set(t.steps_by_gamma) <= {0} for t in load.turns if t.policy in ("off", CONTROL))
     assert all(0 < t.step_tokens <= t.tokens and 0 < t.step_seconds < t.seconds for t in load.turns)
-    assert [t.start_s for t in load.turns] == sorted(t.start_s for t in load.turns) and load.turns[0].start_s >= 0.4
+    assert [t.start_s for t in load.turns] == sorted(t.start_s for t in load.turns) and load.turns[0].start_s >= 0.3  # after the ramp
     assert load.requests > 2 and load.ok == load.requests and load.lost == 0 and load.rows_freed  # stopped cleanly
     files = write_switchback_report(tmp_path, {"model": health["model"], "drafter": "ngram", "gamma": 3, "max_tokens": 6,
                                                "task": "test", "repeats": 3}, {"server_device": "cpu", "cpu": "x",
