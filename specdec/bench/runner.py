@@ -36,7 +36,7 @@ from specdec.bench.peers import (OPENAI, PEERS, HFPeer, LlamaCppPeer, OpenAIPeer
                                   parse_openai_peer, spec_decode_delta)
 from specdec.bench.tasks import Task, is_correct, load_tasks
 from specdec.adaptive import POLICIES
-from specdec.config import SamplingParams, SpecConfig
+from specdec.config import SamplingParams, spec_config_for
 from specdec.drafters import DRAFTERS, DrafterOptions
 from specdec.drafters.base import forget_requests, learns_across_requests
 from specdec.drafters.draft_model import is_shared_draft, load_draft
@@ -218,9 +218,10 @@ class Runner:
     def run(self, method: Method, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float, dict | None]:
         sampling = self.config.sampling
         if method.family == "specdec":
-            spec = SpecConfig(gamma=max(method.gamma, 1), gamma_policy=method.policy, gamma_max=self.config.gamma_max,
-                              confidence_threshold=self.config.confidence_threshold, max_new_tokens=max_new_tokens,
-                              sampling=sampling)
+            gamma = max(method.gamma, 1) if method.policy == "fixed" else "auto"  # plain: 0; adaptive: as `--gamma auto`
+            spec = spec_config_for(gamma, method.policy, gamma_max=self.config.gamma_max,
+                                   confidence_threshold=self.config.confidence_threshold, max_new_tokens=max_new_tokens,
+                                   sampling=sampling)
             row = self.engines[method.name].generate([prompt], spec).rows[0]
             return row.token_ids, row.stats.wall_s, row.stats.to_dict()
         if method.family == OPENAI:
