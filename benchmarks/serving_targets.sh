@@ -12,12 +12,13 @@
 #   load   2000 requests at 32 clients, mixed sampling, 10 % disconnecting: none lost, memory flat
 #   one    one client: a --max-batch 1 server benched three times (off, on), then the engine on the same
 #          prompts: the server's EAGLE against its own off and against the engine's EAGLE
-# Each stage writes under OUT/<stage>. SPECDEC (default: python3 -m specdec.cli) runs specdec.
+# Each stage writes under OUT/<stage>. SPECDEC (default: python3 -m specdec.cli) runs specdec; FRONTENDS
+# (default 1) is the servers' HTTP frontend processes (`serve --frontends`).
 set -euo pipefail
 STAGE=${1:?stage: warm, sweep, long, load or one}
 OUT=${2:?output folder}
 SPECDEC=${SPECDEC:-python3 -m specdec.cli}
-SERVE=(--model default --drafter eagle --device cuda --task gsm8k-eval --max-tokens 64-128)
+SERVE=(--model default --drafter eagle --device cuda --task gsm8k-eval --max-tokens 64-128 --frontends "${FRONTENDS:-1}")
 mkdir -p "$OUT"
 
 case $STAGE in
@@ -36,7 +37,7 @@ load)
 one)
     PORT=${PORT:-8123}
     $SPECDEC serve --model default --drafter eagle --device cuda --max-batch 1 --context 1024 --port "$PORT" \
-        --enable-admin > "$OUT/one-server.log" 2>&1 &
+        --frontends "${FRONTENDS:-1}" --enable-admin > "$OUT/one-server.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null' EXIT
     for _ in $(seq 300); do curl -sf "localhost:$PORT/health" > /dev/null && break; sleep 1; done

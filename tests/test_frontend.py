@@ -2,7 +2,7 @@
 over the tiny model's scheduler in this process: the OpenAI client, concurrent greedy requests equal to
 single decodes, streaming with usage, a disconnect freeing its row, a full queue (429), health, metrics
 and the admin switch answered by the engine, an ordered shutdown, and the frontend's own exit when the
-engine goes away."""
+engine goes away. The shared server runs two frontends on one port (`--frontends 2`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from specdec.drafters import build_drafter
 from specdec.server.app import AppSettings
 from specdec.server.bench import free_port
-from specdec.server.frontend import FrontendProcess, ServerOptions
+from specdec.server.frontend import Frontends, ServerOptions
 from specdec.server.metrics import parse_metrics
 from specdec.server.policy import BatchCosts, SpecPolicy
 from specdec.server.scheduler import Codec, Scheduler, SchedulerConfig
@@ -29,35 +29,35 @@ START_S = 120  # a spawned frontend imports torch, transformers and FastAPI afre
 
 
 @contextmanager
-def frontend(scheduler, **settings):
-    """The scheduler served by a frontend process on a free loopback port: yields (url, FrontendProcess)."""
+def frontend(scheduler, frontends: int = 1, **settings):
+    """The scheduler served by frontend processes on a free loopback port: yields (url, Frontends)."""
     port = free_port()
-    process = FrontendProcess(scheduler, scheduler.codec.encoder,
-                              AppSettings(model_name=MODEL, api_key=KEY, max_body_bytes=4096, **settings),
-                              ServerOptions("127.0.0.1", port, "warning", shutdown_timeout=10))
-    process.start()
+    group = Frontends(scheduler, scheduler.codec.encoder,
+                      AppSettings(model_name=MODEL, api_key=KEY, max_body_bytes=4096, **settings),
+                      ServerOptions("127.0.0.1", port, "warning", shutdown_timeout=10, frontends=frontends))
+    group.start()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_S
         while True:
-            assert time.monotonic() < deadline and process.process.is_alive(), "the frontend did not start"
+            assert time.monotonic() < deadline and all(m.process.is_alive() for m in group.members), "a frontend did not start"
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:  # 503 until every frontend has started
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        yield url, process
+        yield url, group
     finally:
-        process.terminate()
-        process.exit_code = process.wait()
+        group.terminate()
+        group.exit_code = group.wait()
 
 
 @pytest.fixture(scope="module")
 def served(model):  # noqa: F811
     scheduler = make_scheduler(model, max_queue=4,
                                costs=BatchCosts({1: {1: 1.0, 4: 2.0}, 4: {1: 2.0, 4: 4.0}}))
-    with frontend(scheduler, admin=True) as (url, process):
-        yield url, scheduler, process
+    with frontend(scheduler, frontends=2, admin=True) as (url, group):
+        yield url, scheduler, group
 
 
 def post(url: str, path: str, body) -> httpx.Response:
@@ -125,13 +125,17 @@ def test_a_full_queue_answers_429_and_bad_input_its_4xx(served):
 
 
 def test_health_metrics_and_the_admin_calls_are_the_engines(served):
-    url, scheduler, _ = served
+    url, scheduler, group = served
     health = httpx.get(url + "/health", timeout=5).json()
     assert health["status"] == "ok" and health["drafter"] == "ngram" and health["policy"] == scheduler.policy.name
     seen = metrics(url)
-    assert seen["specdec_frontend_resident_memory_bytes"] > 0 and seen["process_resident_memory_bytes"] > 0
-    for prefix in ("specdec", "specdec_frontend"):  # each process's collections, by generation
-        assert {f'{prefix}_gc_collections_total{{generation="{g}"}}' for g in range(3)} <= seen.keys()
+    assert seen["process_resident_memory_bytes"] > 0 and seen["process_cpu_seconds_total"] > 0
+    for k in range(2):  # both frontends' memory and CPU, read by the engine whichever frontend answers
+        assert seen[f'specdec_frontend_resident_memory_bytes{{frontend="{k}"}}'] > 0
+        assert seen[f'specdec_frontend_cpu_seconds_total{{frontend="{k}"}}'] > 0
+    assert {f'specdec_gc_collections_total{{generation="{g}"}}' for g in range(3)} <= seen.keys()
+    answering = [k for k in range(2) if f'specdec_frontend_gc_collections_total{{generation="0",frontend="{k}"}}' in seen]
+    assert len(answering) == 1  # the answering frontend's own collections, labelled
     switched = post(url, "/admin/spec-policy", {"policy": "off"})
     assert switched.status_code == 200 and scheduler.policy.name == "off"
     bad = post(url, "/admin/spec-policy", {"policy": "bogus"})
@@ -142,12 +146,12 @@ def test_health_metrics_and_the_admin_calls_are_the_engines(served):
 
 def test_the_frontend_process_freezes_its_heap_when_the_engine_does(model, served):  # noqa: F811
     """`specdec serve` (config.freeze_heap) freezes the frontend process's start-up heap too; a test's does not."""
-    unfrozen = metrics(served[0])["specdec_frontend_gc_frozen_objects"]
+    unfrozen = min(v for k, v in metrics(served[0]).items() if k.startswith("specdec_frontend_gc_frozen_objects"))
     scheduler = Scheduler(model, build_drafter("none", model), Codec(model.tokenizer), SpecPolicy("off", gamma=1),
                           SchedulerConfig(max_batch=2, context=256, freeze_heap=True))
     try:
         with frontend(scheduler) as (url, _):
-            frozen = metrics(url)["specdec_frontend_gc_frozen_objects"]
+            frozen = metrics(url)['specdec_frontend_gc_frozen_objects{frontend="0"}']
     finally:
         gc.unfreeze()  # what this process's engine froze (test_server.py: the serving process's own freeze)
     assert frozen > unfrozen + 1000  # the imports and the app, not a handful of objects
@@ -155,15 +159,16 @@ def test_the_frontend_process_freezes_its_heap_when_the_engine_does(model, serve
 
 def test_shutdown_drains_and_stops_the_engine_and_a_lost_engine_ends_the_frontend(model):  # noqa: F811
     scheduler = make_scheduler(model)
-    with frontend(scheduler) as (url, process):
+    with frontend(scheduler) as (url, group):
         assert post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 5}).status_code == 200
-    assert process.exit_code == 0 and process.bridge.stopped and not scheduler.thread.is_alive()
+    assert group.exit_code == 0 and group.members[0].bridge.stopped and not scheduler.thread.is_alive()
 
     scheduler = make_scheduler(model)
     port = free_port()
-    process = FrontendProcess(scheduler, scheduler.codec.encoder, AppSettings(model_name=MODEL),
-                              ServerOptions("127.0.0.1", port, "critical"))
-    process.start()
+    group = Frontends(scheduler, scheduler.codec.encoder, AppSettings(model_name=MODEL),
+                      ServerOptions("127.0.0.1", port, "critical"))
+    group.start()
+    process = group.members[0]
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _healthy(url), timeout=START_S)
     scheduler.pause()  # a request in flight when the engine goes
@@ -177,7 +182,19 @@ def test_shutdown_drains_and_stops_the_engine_and_a_lost_engine_ends_the_fronten
     assert reply.status_code == 500 and "engine process has ended" in reply.json()["error"]["message"]
     process.process.join(30)
     assert process.process.exitcode is not None
-    assert process.wait() == 1 and not scheduler.thread.is_alive()
+    assert group.wait() == 1 and not scheduler.thread.is_alive()
+
+
+def test_a_taken_port_is_one_clear_error(model):  # noqa: F811
+    from specdec.errors import UserError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"cannot listen on 127.0.0.1:{port}"):
+            Frontends(make_scheduler(model), model.tokenizer, AppSettings(model_name=MODEL),
+                      ServerOptions("127.0.0.1", port, "critical"))
 
 
 def _healthy(url: str) -> bool:

@@ -1173,6 +1173,8 @@ def test_serve_cli_errors_are_one_line(capsys, monkeypatch):
     assert "unknown speculation policy" in capsys.readouterr().err
     assert main(["serve", "--gamma", "0"]) == 2
     assert "gamma must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["serve", "--frontends", "2", "--frontend", "thread"]) == 2
+    assert "--frontends N > 1 starts frontend processes" in capsys.readouterr().err
     real = server_cli.importlib.util.find_spec
     monkeypatch.setattr(server_cli.importlib.util, "find_spec", lambda name: None if name == "fastapi" else real(name))
     assert main(["serve"]) == 2

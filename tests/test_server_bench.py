@@ -261,6 +261,28 @@ def test_cuda_memory_gauges_are_scraped_per_device(monkeypatch):
     assert sample_memory(5, frontend).rss_mib == pytest.approx(sample.rss_mib + 3, abs=1.0)
 
 
+def test_cpu_cores_are_the_processes_cpu_seconds_over_the_wall(tmp_path):
+    """The engine's process_cpu_seconds_total and every frontend's, summed, over a level's wall; a server
+    without frontend processes (the CPU's thread frontend) has the engine's only."""
+    import os
+
+    from specdec.server.bench import cpu_cores
+    from specdec.server.metrics import frontend_usage_lines
+
+    start = {"process_cpu_seconds_total": 10.0, 'specdec_frontend_cpu_seconds_total{frontend="0"}': 1.0,
+             'specdec_frontend_cpu_seconds_total{frontend="1"}': 2.0}
+    end = {"process_cpu_seconds_total": 13.0, 'specdec_frontend_cpu_seconds_total{frontend="0"}': 2.5,
+           'specdec_frontend_cpu_seconds_total{frontend="1"}': 3.5}
+    assert cpu_cores(start, end, 2.0) == {"engine": 1.5, "frontends": 1.5}
+    assert cpu_cores({"process_cpu_seconds_total": 1.0}, {"process_cpu_seconds_total": 2.0}, 4.0) == {"engine": 0.25}
+    mine = parse_metrics("\n".join(frontend_usage_lines([os.getpid(), None])))  # this process stands in for one
+    assert mine['specdec_frontend_resident_memory_bytes{frontend="0"}'] > 0 and len(mine) == 2
+    plan = LoadPlan((4,), ("cost",), 4, 8, SAMPLING_MIX, 2, 0.0)
+    write_report(tmp_path, report_config(plan), HARDWARE, [replace(level("cost", 4, 100, 10), decode_shares={"host": 1.0},
+                                                                   cpu_cores={"engine": 1.25, "frontends": 0.5})])
+    assert "- cost c=4: host 100 %; CPU cores busy: engine 1.25, frontends 0.50" in (tmp_path / "report.md").read_text()
+
+
 def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
     lv = level("cost", 64, 100, 10, ok=3, disconnected=1)
     lv.memory = [MemorySample(0, 100.0, 10.0, 20.0), MemorySample(4, 101.5, 10.0, 20.0)]
@@ -277,6 +299,8 @@ def test_write_report_shows_memory_growth_and_disconnects(tmp_path):
     (["--disconnect-fraction", "1"], "--disconnect-fraction must be in [0, 1), got 1.0"),
     (["--disconnect-fraction", "-0.1"], "--disconnect-fraction must be in [0, 1)"),
     (["--sampling-mix", "--temperature", "0.5"], "--sampling-mix sets each request's temperature"),
+    (["--frontends", "0"], "--frontends must be >= 1, got 0"),
+    (["--frontends", "2", "--url", "http://127.0.0.1:1"], "--frontends is for the server bench-serve starts"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--max-tokens", "128-64"], "expected N or LOW-HIGH with 1 <= LOW <= HIGH, got '128-64'"),

@@ -172,6 +172,7 @@ class LevelResult:
     prefill_forwards: dict[str, int] = field(default_factory=dict)  # its prefill chunks over the level: graph, eager
     decode_shares: dict[str, float] = field(default_factory=dict)  # its decode thread's time by part (decode_shares)
     gc_seconds: dict[str, float] = field(default_factory=dict)  # its garbage collections' seconds over the level, by generation
+    cpu_cores: dict[str, float] = field(default_factory=dict)  # CPU seconds over the level's wall: engine, frontends (cpu_cores)
     memory: list[MemorySample] = field(default_factory=list)
     rss_growth_mib: float | None = None  # last memory sample - first
     gpu_allocated_growth_mib: float | None = None
@@ -592,6 +593,7 @@ def summarize(policy: str, concurrency: int, results: list[RequestResult], wall:
         prefill_forwards=counter_deltas(start, end, "specdec_prefill_forwards_total", "kind"),
         decode_shares=decode_shares(start, end),
         gc_seconds=counter_deltas(start, end, "specdec_gc_seconds_total", "generation", float),
+        cpu_cores=cpu_cores(start, end, wall),
         rss_growth_mib=memory_growth(memory, "rss_mib"),
         gpu_allocated_growth_mib=memory_growth(memory, "gpu_allocated_mib"),
         gpu_reserved_growth_mib=memory_growth(memory, "gpu_reserved_mib"),
@@ -626,6 +628,18 @@ def decode_shares(start: dict[str, float], end: dict[str, float]) -> dict[str, f
     seconds = counter_deltas(start, end, "specdec_decode_thread_seconds_total", "part", float)
     total = sum(seconds.values())
     return {part: s / total for part, s in seconds.items()} if total > 0 else {}
+
+
+def cpu_cores(start: dict[str, float], end: dict[str, float], wall: float) -> dict[str, float]:
+    """The server's processes' CPU time over a level, in cores busy over its wall: the engine (decode thread,
+    bridges; HTTP too with a thread frontend) and the HTTP frontend processes together. A frontend near one
+    core per process is where new requests queue before the engine sees them."""
+    cores = {}
+    for part, name in (("engine", "process_cpu_seconds_total"), ("frontends", "specdec_frontend_cpu_seconds_total")):
+        before, after = metric_total(start, name), metric_total(end, name)
+        if before is not None and after is not None and wall > 0:
+            cores[part] = (after - before) / wall
+    return cores
 
 
 def mean_gamma(steps: dict[int, int]) -> float | None:
@@ -926,6 +940,8 @@ def decode_lines(levels: list[LevelResult]) -> list[str]:
     return [f"- {level_name(lv)}: " + ", ".join(f"{part} {100 * share:.0f} %" for part, share in lv.decode_shares.items())
             + ("; garbage collection " + ", ".join(f"gen {g} {100 * s / lv.wall_s:.1f} %" for g, s in lv.gc_seconds.items())
                if lv.gc_seconds and lv.wall_s > 0 else "")
+            + ("; CPU cores busy: " + ", ".join(f"{part} {cores:.2f}" for part, cores in lv.cpu_cores.items())
+               if lv.cpu_cores else "")
             for lv in levels if lv.decode_shares]
 
 
@@ -968,7 +984,9 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
            "(probes).", "", *cost_lines(levels), ""] if any(lv.policy == "cost" for lv in levels) else []),
         *(["## The server's decode thread", "", "Its time over each level: idle (no request), prefill (admitting "
            "requests, reading their prompts, handing first tokens out), wait (for a step's outcome from the "
-           "device), host (launching steps, handing their tokens out).", "", *decode_lines(levels), ""]
+           "device), host (launching steps, handing their tokens out). CPU cores busy: the server's processes' "
+           "CPU seconds over the level's wall (the engine; the HTTP frontend processes together, where HTTP is "
+           "served apart).", "", *decode_lines(levels), ""]
           if any(lv.decode_shares for lv in levels) else []),
     ]
     return finish_report(paths, md, plot, "throughput vs concurrency")

@@ -79,6 +79,9 @@ def add_server_commands(sub) -> None:
     s.add_argument("--frontend", default="auto", choices=("auto", "process", "thread"),
                    help="where HTTP is served: a process of its own (the default on CUDA: it leaves the decode loop the "
                         "GIL) or a thread of the engine's process (the default on the CPU)")
+    s.add_argument("--frontends", type=int, default=1,
+                   help="HTTP frontend processes sharing the port (the process frontend): at dozens of "
+                        "clients one process's event loop is busy enough that new requests queue in it (default 1)")
     s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="log level of uvicorn and of specdec's server notes (graph captures, errors)")
@@ -126,6 +129,7 @@ def add_server_commands(sub) -> None:
                    help="processes sharing each level's streams (default: for a GPU server one per 8 streams, at most one "
                         "per CPU this command may use; for a CPU server one): one Python process parses about 10k "
                         "chunks/s, less than a fast GPU server sends")
+    b.add_argument("--frontends", type=int, default=1, help="the server's HTTP frontend processes (`serve --frontends`)")
     b.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server to come up")
     b.add_argument("--out", default="runs/bench-serve", help="folder for results.json, report.md, throughput.png, server.log")
     b.add_argument("--json", action="store_true", help="print the results document instead of the table")
@@ -161,6 +165,14 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
+    check_frontends(args.frontends, args.frontend)
+
+
+def check_frontends(n: int, frontend: str) -> None:
+    if n < 1:
+        raise UserError(f"--frontends must be >= 1, got {n}")
+    if n > 1 and frontend == "thread":
+        raise UserError("--frontends N > 1 starts frontend processes: leave out --frontend thread")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -210,9 +222,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            admin=args.enable_admin)
-    frontend = args.frontend if args.frontend != "auto" else "process" if target.norm.weight.device.type == "cuda" else "thread"
+    frontend = args.frontend if args.frontend != "auto" else "process" if target.norm.weight.device.type == "cuda" or args.frontends > 1 else "thread"
     print(f"specdec: serving {settings.model_name} on http://{args.host}:{args.port}/v1 ({device}; drafter {args.drafter}, "
           f"gamma {gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}, frontend {frontend}"
+          f"{f' x {args.frontends}' if args.frontends > 1 else ''}"
           f"{f', tensor-parallel over {shard.world} ranks' if shard.parallel else ''}"
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
     log_to_stderr(args.log_level)
@@ -221,7 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # default model) a 0.5 ms interval gave 9.7-10.4k tok/s and a TTFT p50 of 24-26 ms, against 8.0-8.7k
     # and 32-33 ms at 5 ms (two runs each, one machine).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    options = ServerOptions(args.host, args.port, args.log_level, args.shutdown_timeout)
+    options = ServerOptions(args.host, args.port, args.log_level, args.shutdown_timeout, args.frontends)
     if frontend == "process":
         return serve_with_frontend(scheduler, target.tokenizer, settings, options)
     http_server(create_app(scheduler, settings), options).run()  # its shutdown stops the scheduler, which releases the followers
@@ -283,6 +296,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise UserError("--control compares `off` with itself: add off to --policies")
     if args.client_processes is not None and args.client_processes < 1:
         raise UserError(f"--client-processes must be >= 1, got {args.client_processes}")
+    check_frontends(args.frontends, "auto")
+    if args.frontends > 1 and args.url:
+        raise UserError("--frontends is for the server bench-serve starts: leave it out with --url")
     prompts = prompts_for(args.task, args.limit)
     sampling = SAMPLING_MIX if args.sampling_mix else fixed_sampling(args.temperature or 0.0)
     low, high = token_range(args.max_tokens)
@@ -299,7 +315,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 "max_tokens": high if low == high else f"{low}-{high}", "sampling": [asdict(s) for s in sampling],
                 "disconnect_fraction": args.disconnect_fraction, "concurrency": list(args.concurrency),
                 "policies": list(args.policies), "requests_per_level": [plan.requests_at(c) for c in args.concurrency],
-                "repeats": args.repeats}
+                "repeats": args.repeats, "frontends": None if args.url else args.frontends}
 
     def save_pass(health: dict, levels: list) -> None:  # a run stopped later keeps the passes it finished
         write_report(out, config_of(health), hardware(health), levels)
@@ -350,6 +366,8 @@ def local_server_args(args: argparse.Namespace) -> list[str]:
         server_args += ["--threads", str(args.threads)]
     if args.prefill_chunk:
         server_args += ["--prefill-chunk", str(args.prefill_chunk)]
+    if args.frontends > 1:
+        server_args += ["--frontends", str(args.frontends)]
     return server_args
 
 

@@ -16,6 +16,10 @@ over one pipe:
   ("reply", id, value), an exception for a call that raised (QueueFull, ShuttingDown, UserError).
 The frontend's RemoteScheduler stands in for the Scheduler in create_app; the engine's EngineBridge runs
 the calls on the real one. Detokenizing and stop strings stay in the engine, with the decode thread.
+`serve --frontends N` starts N such processes (Frontends), each with its pipe and bridge, accepting from
+one listening socket the engine binds; /health answers 503 ("starting") until every one has started, and
+the scheduler stops once, when the first of them asks on its way out. The engine reads every frontend's
+memory and CPU time from /proc for /metrics, whichever frontend answers.
 
 Lifetime. The frontend runs in a process group of its own, so a terminal's Ctrl-C reaches the engine
 only, which asks the frontend to shut down (SIGTERM: uvicorn's graceful shutdown, then the scheduler's
@@ -29,16 +33,19 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
 
 from specdec.config import SamplingParams
+from specdec.errors import UserError
 from specdec.server.app import AppSettings, create_app
-from specdec.server.metrics import gauge, gc_pauses, resident_memory_bytes
+from specdec.server.metrics import frontend_usage_lines, gc_pauses
 from specdec.server.scheduler import (Codec, Event, GenerationRequest, Scheduler, SchedulerConfig, ShuttingDown,
                                       freeze_heap)
 
@@ -65,21 +72,23 @@ class ServerOptions:
     port: int
     log_level: str = "info"
     shutdown_timeout: float = 30.0
+    frontends: int = 1  # HTTP frontend processes on the port (Frontends)
 
 
 # ---- the engine process -------------------------------------------------------------------------
 
 
 class EngineBridge:
-    """Engine process: runs the frontend's submits, cancels and calls on the Scheduler, and sends the
+    """Engine process: runs one frontend's submits, cancels and calls on the Scheduler, and sends its
     requests' events back, one message per hand-over."""
 
-    def __init__(self, scheduler: Scheduler, conn) -> None:
-        self.scheduler, self.conn = scheduler, conn
+    def __init__(self, scheduler: Scheduler, conn, group: Frontends) -> None:
+        self.scheduler, self.conn, self.group = scheduler, conn, group
         self.sending = threading.Lock()
         self.lock = threading.Lock()  # pending and requests: the decode thread and the bridge thread
         self.pending: list[tuple[int, Event]] = []
         self.requests: dict[int, GenerationRequest] = {}
+        self.ready = threading.Event()  # the frontend's app has started
         self.stopped = False  # the frontend's `stop` call has run
 
     def serve(self) -> None:
@@ -90,7 +99,9 @@ class EngineBridge:
             except (EOFError, OSError):
                 return
             kind, key, *rest = message
-            if kind == "submit":
+            if kind == "ready":
+                self.ready.set()
+            elif kind == "submit":
                 self.submit(key, *rest)
             elif kind == "cancel":
                 with self.lock:
@@ -121,7 +132,14 @@ class EngineBridge:
             self.send(("reply", key, ValueError(f"unknown call {method!r}")))
             return
         try:
-            value = getattr(self.scheduler, method)(*args)
+            if method == "stop":  # every frontend asks it on its way out; the scheduler stops once
+                value = self.group.stop_scheduler(*args)
+            else:
+                value = getattr(self.scheduler, method)(*args)
+            if method == "metrics_text":
+                value += self.group.usage_text()
+            if method == "health" and value["status"] == "ok" and not self.group.ready():
+                value = {**value, "status": "starting"}  # 503 until every frontend serves the port
         except Exception as e:
             value = e
         if method == "stop":
@@ -151,21 +169,21 @@ class EngineBridge:
 
 
 class FrontendProcess:
-    """Engine process: the frontend process and the bridge thread that serves it."""
+    """Engine process: one frontend process and the bridge thread that serves it."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> None:
-        self.scheduler = scheduler
+    def __init__(self, group: Frontends, tokenizer, settings: AppSettings, options: ServerOptions, index: int,
+                 sock: socket.socket) -> None:
+        scheduler = group.scheduler
         context = mp.get_context("spawn")  # never fork a process that holds CUDA
         self.conn, theirs = context.Pipe()
-        self.bridge = EngineBridge(scheduler, self.conn)
-        self.process = context.Process(target=run_frontend, name="specdec-frontend", daemon=True,
-                                       args=(theirs, tokenizer, settings, scheduler.config, scheduler.vocab_size, options))
+        self.bridge = EngineBridge(scheduler, self.conn, group)
+        self.process = context.Process(target=run_frontend, name=f"specdec-frontend-{index}", daemon=True,
+                                       args=(theirs, tokenizer, settings, scheduler.config, scheduler.vocab_size, options,
+                                             index, sock))
         self.theirs = theirs
-        self.serving = threading.Thread(target=self.bridge.serve, name="specdec-bridge", daemon=True)
+        self.serving = threading.Thread(target=self.bridge.serve, name=f"specdec-bridge-{index}", daemon=True)
 
     def start(self) -> None:
-        """Start the decode thread (capturing its graphs first), then the frontend and the bridge."""
-        self.scheduler.start()
         self.process.start()
         self.theirs.close()
         self.serving.start()
@@ -175,27 +193,83 @@ class FrontendProcess:
         if self.process.pid is not None and self.process.exitcode is None:
             os.kill(self.process.pid, signal.SIGTERM)
 
-    def wait(self) -> int:
-        """Until the frontend has exited; stops the scheduler if the frontend did not. The server's exit
-        code: 0 after an ordered shutdown (uvicorn re-raises the signal it shut down on, so the frontend's
-        own code is the signal's), else 1."""
+    def join(self) -> bool:
+        """After the process has exited: whether it shut down in order (its `stop` call ran)."""
         self.process.join()
         self.serving.join(timeout=10)  # the pipe has closed: its reader returns
         self.conn.close()
-        if self.bridge.stopped:
-            return 0
-        log.error(f"the frontend process ended unexpectedly (exit code {self.process.exitcode}); stopping")
-        self.scheduler.stop()
-        return 1
+        return self.bridge.stopped
+
+
+class Frontends:
+    """Engine process: the frontend processes (ServerOptions.frontends of them) over one Scheduler. They
+    accept connections from one listening socket, bound here (as uvicorn's workers share theirs), so the
+    port is taken or refused before any frontend starts, and an idle frontend takes the next connection
+    before a busy one. Why several: one process's event loop handles every request's HTTP, JSON and stream
+    chunks, and at dozens of clients it is busy enough that a new request waits in its queue (`bench-serve`
+    reports its CPU per level)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> None:
+        self.scheduler = scheduler
+        self.stopping = threading.Lock()
+        self.scheduler_stopped = False
+        self.sock = listen(options.host, options.port)
+        self.members = [FrontendProcess(self, tokenizer, settings, options, k, self.sock)
+                        for k in range(options.frontends)]
+
+    def start(self) -> None:
+        """Start the decode thread (capturing its graphs first), then the frontends and their bridges."""
+        self.scheduler.start()
+        for member in self.members:
+            member.start()
+
+    def ready(self) -> bool:
+        """Every frontend's app has started (before, /health answers 503 "starting")."""
+        return all(member.bridge.ready.is_set() for member in self.members)
+
+    def stop_scheduler(self, drain_s: float = 0.0) -> None:
+        """Drain and stop the scheduler, once, whichever frontend asks first (the others wait for it)."""
+        with self.stopping:
+            if not self.scheduler_stopped:
+                self.scheduler.stop(drain_s)
+                self.scheduler_stopped = True
+
+    def usage_text(self) -> str:
+        """The frontend processes' memory and CPU, for /metrics (read here: any frontend may answer a scrape)."""
+        lines = frontend_usage_lines([member.process.pid for member in self.members])
+        return "\n".join(lines) + "\n" if lines else ""
+
+    def terminate(self) -> None:
+        for member in self.members:
+            member.terminate()
+
+    def wait(self) -> int:
+        """Until every frontend has exited. One that ends unexpectedly ends the others and the scheduler. The
+        server's exit code: 0 after an ordered shutdown (uvicorn re-raises the signal it shut down on, so a
+        frontend's own code is the signal's), else 1."""
+        pending = {member.process.sentinel: member for member in self.members}
+        failed = False
+        while pending:
+            for sentinel in mp_connection.wait(list(pending)):
+                member = pending.pop(sentinel)
+                if not member.join() and not failed:
+                    failed = True
+                    log.error(f"a frontend process ended unexpectedly (exit code {member.process.exitcode}); stopping")
+                    for other in pending.values():
+                        other.terminate()
+        self.sock.close()
+        if failed:
+            self.stop_scheduler()
+        return 1 if failed else 0
 
 
 def serve_with_frontend(scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> int:
     """`specdec serve --frontend process`: serve until a signal, then shut down in order; the exit code."""
-    frontend = FrontendProcess(scheduler, tokenizer, settings, options)
-    frontend.start()  # a Ctrl-C while it captures the step graphs interrupts it as any command
+    frontends = Frontends(scheduler, tokenizer, settings, options)
+    frontends.start()  # a Ctrl-C while it captures the step graphs interrupts it as any command
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: frontend.terminate())
-    return frontend.wait()
+        signal.signal(sig, lambda *_: frontends.terminate())
+    return frontends.wait()
 
 
 # ---- the frontend process -----------------------------------------------------------------------
@@ -205,8 +279,9 @@ class RemoteScheduler:
     """Frontend process: what create_app uses of a Scheduler, answered by the engine process. Calls that
     need the engine's answer return futures (app.answer awaits them)."""
 
-    def __init__(self, conn, codec: Codec, config: SchedulerConfig, vocab_size: int) -> None:
+    def __init__(self, conn, codec: Codec, config: SchedulerConfig, vocab_size: int, index: int = 0) -> None:
         self.conn, self.codec, self.config, self.vocab_size = conn, codec, config, vocab_size
+        self.index = index  # which of the server's frontends (Frontends)
         self.keys = itertools.count()
         self.jobs: dict[int, GenerationRequest] = {}  # key -> request, until its last event
         self.key_of: dict[int, int] = {}  # id(request) -> key
@@ -216,9 +291,11 @@ class RemoteScheduler:
         self.on_lost = lambda: None  # the frontend process's shutdown (run_frontend)
 
     def start(self) -> None:
-        """On the event loop (the app's lifespan): read the engine's messages as they come."""
+        """On the event loop (the app's lifespan): read the engine's messages as they come, and say this
+        frontend is ready."""
         self.loop = asyncio.get_running_loop()
         self.loop.add_reader(self.conn.fileno(), self.receive)
+        self.conn.send(("ready", self.index))
 
     def stop(self, drain_s: float = 0.0) -> None:
         """From a worker thread (the app's lifespan): the engine drains and stops its scheduler."""
@@ -246,12 +323,10 @@ class RemoteScheduler:
         return self.call("health")
 
     def metrics_text(self, model_name: str) -> asyncio.Future:
-        """The engine's metrics, this process's resident memory and its garbage collections."""
+        """The engine's metrics (with every frontend's memory and CPU) and this process's garbage collections."""
         async def both() -> str:
             text = await self.call("metrics_text", model_name)
-            rss = resident_memory_bytes()
-            mine = gauge("specdec_frontend_resident_memory_bytes", "The HTTP frontend process's resident memory.", rss)
-            mine = (mine if rss is not None else []) + gc_pauses().render("specdec_frontend", "the HTTP frontend process")
+            mine = gc_pauses().render("specdec_frontend", "this HTTP frontend process", f'frontend="{self.index}"')
             return text + "\n".join(mine) + "\n"
         return asyncio.ensure_future(both())
 
@@ -338,17 +413,32 @@ class RemoteScheduler:
 
 
 def run_frontend(conn, tokenizer, settings: AppSettings, config: SchedulerConfig, vocab_size: int,
-                 options: ServerOptions) -> None:
+                 options: ServerOptions, index: int, sock: socket.socket) -> None:
     """The frontend process: uvicorn serving the app over a RemoteScheduler until SIGTERM or the engine's end."""
     os.setpgrp()  # a terminal's Ctrl-C goes to the engine, which shuts this process down in order
     log_to_stderr(options.log_level)
     gc_pauses()  # counted from here (specdec_frontend_gc_*)
-    scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size)
+    scheduler = RemoteScheduler(conn, Codec(tokenizer), config, vocab_size, index)
     server = http_server(create_app(scheduler, settings), options)
     if config.freeze_heap:  # as the engine's process does once its graphs are captured (scheduler.freeze_heap)
         freeze_heap()
     scheduler.on_lost = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket on host:port, shared by its frontend processes (a UserError where the
+    address cannot be bound: taken, or not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(2048)
+    return sock
 
 
 def http_server(app, options: ServerOptions):

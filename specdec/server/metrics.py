@@ -17,9 +17,12 @@ The garbage collector's pauses in the serving process (`specdec_gc_seconds_total
 `specdec_gc_collections_total`, by `generation`): a full collection stops every thread, the decode loop
 included, and how often one runs depends on what the loop allocates.
 
-Memory, read at scrape time: `process_resident_memory_bytes` (Linux) and, once the process uses CUDA,
+Memory and CPU, read at scrape time: `process_resident_memory_bytes` (Linux), `process_cpu_seconds_total`
+(every thread of the process, user and system) and, once the process uses CUDA,
 `specdec_cuda_memory_allocated_bytes` and `specdec_cuda_memory_reserved_bytes` (torch's caching
-allocator) with a `device` label per device holding memory; absent on the CPU.
+allocator) with a `device` label per device holding memory; absent on the CPU. Where HTTP is served by
+processes apart from the engine (frontend.py), the engine reads theirs from /proc as well:
+`specdec_frontend_resident_memory_bytes` and `specdec_frontend_cpu_seconds_total`, with a `frontend` label.
 """
 
 from __future__ import annotations
@@ -58,17 +61,20 @@ class GcPauses:
             self.collections[info["generation"]] += 1
             self.began = None
 
-    def render(self, prefix: str = "specdec", process: str = "this process") -> list[str]:
-        """The counters as `{prefix}_gc_seconds_total` and `{prefix}_gc_collections_total` (the HTTP frontend's
-        process: prefix specdec_frontend)."""
+    def render(self, prefix: str = "specdec", process: str = "this process", labels: str = "") -> list[str]:
+        """The counters as `{prefix}_gc_seconds_total` and `{prefix}_gc_collections_total` (an HTTP frontend's
+        process: prefix specdec_frontend, labels 'frontend="k"')."""
+        more = f",{labels}" if labels else ""
+        frozen = f"{prefix}_gc_frozen_objects" + (f"{{{labels}}}" if labels else "")
         return [f"# HELP {prefix}_gc_seconds_total Seconds {process} spent in garbage collections, by generation.",
                 f"# TYPE {prefix}_gc_seconds_total counter",
-                *(f'{prefix}_gc_seconds_total{{generation="{g}"}} {s:.6f}' for g, s in enumerate(self.seconds)),
+                *(f'{prefix}_gc_seconds_total{{generation="{g}"{more}}} {s:.6f}' for g, s in enumerate(self.seconds)),
                 f"# HELP {prefix}_gc_collections_total Garbage collections in {process}, by generation.",
                 f"# TYPE {prefix}_gc_collections_total counter",
-                *(f'{prefix}_gc_collections_total{{generation="{g}"}} {n}' for g, n in enumerate(self.collections)),
-                *gauge(f"{prefix}_gc_frozen_objects", f"Objects {process} has frozen out of the collector's reach "
-                       "(gc.freeze, once start-up is done).", gc.get_freeze_count())]
+                *(f'{prefix}_gc_collections_total{{generation="{g}"{more}}} {n}' for g, n in enumerate(self.collections)),
+                f"# HELP {prefix}_gc_frozen_objects Objects {process} has frozen out of the collector's reach "
+                "(gc.freeze, once start-up is done).", f"# TYPE {prefix}_gc_frozen_objects gauge",
+                f"{frozen} {gc.get_freeze_count()}"]
 
 
 _gc_pauses: GcPauses | None = None
@@ -276,6 +282,8 @@ class ServerMetrics:
         rss = resident_memory_bytes()
         if rss is not None:
             lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
+        lines += counter("process_cpu_seconds_total", "User and system CPU time of every thread of the process.",
+                         time.process_time())
         lines += cuda_memory_lines(read_cuda_memory())
         return "\n".join(lines) + "\n"
 
@@ -313,6 +321,38 @@ def resident_memory_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    rss_bytes: int
+    cpu_seconds: float  # user + system, every thread
+
+
+def read_process_usage(pid: int) -> ProcessUsage | None:
+    """Another process's resident memory and CPU time (Linux /proc/PID/stat; None elsewhere or once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": fields 3.. of proc(5)
+    tick = os.sysconf("SC_CLK_TCK")
+    return ProcessUsage(rss_bytes=int(fields[21]) * os.sysconf("SC_PAGE_SIZE"),
+                        cpu_seconds=(int(fields[11]) + int(fields[12])) / tick)
+
+
+def frontend_usage_lines(pids: list[int | None]) -> list[str]:
+    """The HTTP frontend processes' memory and CPU, labelled by their index (frontend.Frontends)."""
+    usage = {k: read_process_usage(pid) for k, pid in enumerate(pids) if pid is not None}
+    usage = {k: u for k, u in usage.items() if u is not None}
+    if not usage:
+        return []
+    rss, cpu = "specdec_frontend_resident_memory_bytes", "specdec_frontend_cpu_seconds_total"
+    return [f"# HELP {rss} Resident memory of each HTTP frontend process.", f"# TYPE {rss} gauge",
+            *(f'{rss}{{frontend="{k}"}} {u.rss_bytes}' for k, u in usage.items()),
+            f"# HELP {cpu} User and system CPU time of each HTTP frontend process.", f"# TYPE {cpu} counter",
+            *(f'{cpu}{{frontend="{k}"}} {u.cpu_seconds:.2f}' for k, u in usage.items())]
 
 
 @dataclass(frozen=True)
