@@ -80,8 +80,8 @@ def add_server_commands(sub) -> None:
                    help="where HTTP is served: a process of its own (the default on CUDA: it leaves the decode loop the "
                         "GIL) or a thread of the engine's process (the default on the CPU)")
     s.add_argument("--frontends", type=int, default=1,
-                   help="HTTP frontend processes sharing the port (the process frontend): at dozens of "
-                        "clients one process's event loop is busy enough that new requests queue in it (default 1)")
+                   help="HTTP frontend processes sharing the port (the process frontend); more than one pays only "
+                        "where one nears a whole core, which bench-serve reports per level (default 1)")
     s.add_argument("--enable-admin", action="store_true", help="POST /admin/spec-policy switches the policy (measures costs at start)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="log level of uvicorn and of specdec's server notes (graph captures, errors)")

@@ -205,9 +205,9 @@ class Frontends:
     """Engine process: the frontend processes (ServerOptions.frontends of them) over one Scheduler. They
     accept connections from one listening socket, bound here (as uvicorn's workers share theirs), so the
     port is taken or refused before any frontend starts, and an idle frontend takes the next connection
-    before a busy one. Why several: one process's event loop handles every request's HTTP, JSON and stream
-    chunks, and at dozens of clients it is busy enough that a new request waits in its queue (`bench-serve`
-    reports its CPU per level)."""
+    before a busy one. Several pay only where one process's event loop (every request's HTTP, JSON and
+    stream chunks) nears a whole core: on an H200 at 32 clients one used about 0.5-0.65 of a core and two
+    changed nothing (docs/design.md, "Several frontends"); `bench-serve` reports their CPU per level."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, settings: AppSettings, options: ServerOptions) -> None:
         self.scheduler = scheduler
