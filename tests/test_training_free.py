@@ -207,7 +207,8 @@ def test_a_depth_not_drafted_recently_is_priced_as_the_deepest_one_drafted():
     """Past the deepest position recent steps drafted, the pooled prior is that position's rate, not
     FRESH_RATE: after steps of 2 drafts that kept 2 in 4 of 5, depths 3 and 4 are expected at the rate of
     depth 2 (about 0.8), so where verifying deeper is free and a draft token costs a fifth of a forward the
-    policy drafts 4, where 0.5 at each depth not drafted yet kept it at 2. Long after any draft every depth is back at FRESH_RATE."""
+    policy drafts 4, where 0.5 at each depth not drafted yet kept it at 2. Long after any draft every depth
+    is back at FRESH_RATE."""
     cost = CostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, t1=0.05)
     cost.observe_draft(seconds=0.01 * 100, tokens=100)  # c = 0.2 of a forward a draft token; verifying is flat
     policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
