@@ -222,7 +222,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = AppSettings(model_name=args.served_model_name or args.model, device=device, api_key=args.api_key,
                            max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                            admin=args.enable_admin)
-    frontend = args.frontend if args.frontend != "auto" else "process" if target.norm.weight.device.type == "cuda" or args.frontends > 1 else "thread"
+    on_cuda = target.norm.weight.device.type == "cuda"
+    frontend = args.frontend if args.frontend != "auto" else "process" if on_cuda or args.frontends > 1 else "thread"
     print(f"specdec: serving {settings.model_name} on http://{args.host}:{args.port}/v1 ({device}; drafter {args.drafter}, "
           f"gamma {gamma}, policy {args.spec_policy}, max batch {args.max_batch}, context {context}, frontend {frontend}"
           f"{f' x {args.frontends}' if args.frontends > 1 else ''}"
