@@ -41,7 +41,6 @@ EXPLORE_MOST = 1024
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the pooled rate in a row's estimate (blended_rates)
 POOL_DECAY = 0.98  # per step: a pooled estimate follows the recent traffic
 FRESH_RATE, FRESH_WEIGHT = 0.5, 2.0  # a pooled estimate's own prior: before, and long after, any draft
-REACHED = 1.0  # decayed drafts that make a position one the pooled estimate has seen (pooled_prior)
 
 
 @dataclass
@@ -117,32 +116,11 @@ def draft_outcomes(positions: int, budgets: list[int], num_accepted: list[int]) 
     return reached, reached & (j < kept)
 
 
-def pooled_prior(pooled: Acceptance, positions: int) -> np.ndarray:
-    """The pooled rate at each of `positions` [positions]: recent steps' counts with FRESH_WEIGHT
-    pseudo-observations at FRESH_RATE, except past the deepest position recent steps reached (at least
-    REACHED drafts, decayed), where they are at that position's rate. A depth no recent step drafted is
-    expected to keep its way up like the deepest one drafted, not to fall to FRESH_RATE: drafts that got
-    that far tend to go on (a copied span), and with 0.5 at each depth not drafted yet a policy that drafts
-    2 never finds that 4 pays. On an H200 the engine's `cost` drafted 1.76 EAGLE tokens a step out of
-    domain where a fixed gamma 4 was 15 % faster; the conditional rates gamma 4 measured there rose with
-    depth, 0.56, 0.60, 0.71, 0.81 (docs/design.md, "Pricing a step")."""
-    counts = pooled.widened(positions)
-    width = counts.offered.shape[1]
-    fresh = np.full(width, FRESH_RATE)
-    rates = counts.rates(fresh, FRESH_WEIGHT)[0]  # [width]
-    reached = np.flatnonzero(counts.offered[0] >= REACHED)
-    if len(reached) and reached[-1] + 1 < width:
-        fresh[reached[-1] + 1:] = rates[reached[-1]]
-        rates = counts.rates(fresh, FRESH_WEIGHT)[0]
-    return rates[:positions]
-
-
 def blended_rates(rows: Acceptance, pooled: Acceptance) -> np.ndarray:
     """alpha [rows, positions] of the cost policies (the engine's and the server's): each row's own counts
-    with PRIOR_WEIGHT pseudo-observations at the pooled rate of recent steps of every row (pooled_prior),
-    itself FRESH_WEIGHT pseudo-observations at FRESH_RATE, or past the deepest position recent steps
-    drafted at that position's rate. A new request starts from what recent requests accepted, and a pooled
-    estimate that no draft has fed for a while returns to FRESH_RATE.
+    with PRIOR_WEIGHT pseudo-observations at the pooled rate of recent steps of every row, itself
+    FRESH_WEIGHT pseudo-observations at FRESH_RATE. A new request starts from what recent requests
+    accepted, and a pooled estimate that no draft has fed for a while returns to FRESH_RATE.
 
     Below the first position, a row that beat the pooled rate one position up (where it drafted that far)
     has the pooled rate scaled up by that much as its prior (at most 1): past its deepest drafts, a row
@@ -152,7 +130,7 @@ def blended_rates(rows: Acceptance, pooled: Acceptance) -> np.ndarray:
     accepted. (A prior no lower than the row's own rate one position up did as well there, but cost the
     server's EAGLE 4 % at one client: EAGLE's deeper positions are accepted less.)"""
     positions = rows.offered.shape[1]
-    prior = pooled_prior(pooled, positions)
+    prior = pooled.widened(positions).rates(np.full(positions, FRESH_RATE), FRESH_WEIGHT)[0, :positions]
     rates = rows.rates(prior, PRIOR_WEIGHT)  # [rows, positions]
     lift = np.where(rows.offered[:, :-1] > 0, rates[:, :-1] / prior[:-1], 1.0)  # [rows, positions - 1]
     deeper = np.minimum(1.0, prior[1:] * np.maximum(lift, 1.0))

@@ -14,7 +14,7 @@ import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
 from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy,
-                              StepSeconds, best_gamma, expected_tokens, pooled_prior)
+                              StepSeconds, best_gamma, expected_tokens)
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -203,29 +203,6 @@ def test_the_cost_policy_starts_a_request_from_recent_acceptance():
     assert policy.acceptance(0) == pytest.approx([FRESH_RATE] * 3, abs=1e-2)
 
 
-def test_a_depth_not_drafted_recently_is_priced_as_the_deepest_one_drafted():
-    """Past the deepest position recent steps drafted, the pooled prior is that position's rate, not
-    FRESH_RATE: after steps of 2 drafts that kept 2 in 4 of 5, depths 3 and 4 are expected at the rate of
-    depth 2 (about 0.8), so where verifying deeper is free and a draft token costs a fifth of a forward the
-    policy drafts 4, where 0.5 at each depth not drafted yet kept it at 2. Long after any draft every depth
-    is back at FRESH_RATE."""
-    cost = CostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, t1=0.05)
-    cost.observe_draft(seconds=0.01 * 100, tokens=100)  # c = 0.2 of a forward a draft token; verifying is flat
-    policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
-    policy.start(1)
-    for i in range(40):
-        policy.observe([0], drafted=[2], accepted=[2 if i % 5 else 1])
-    prior = pooled_prior(cost.pooled, 4)
-    assert prior[2] == pytest.approx(prior[1]) and prior[3] == pytest.approx(prior[1]) and prior[1] > 0.75
-    policy.start(1)  # a new call's row: no counts of its own
-    assert best_gamma(policy.acceptance(0), cost) == 4
-    fresh_deeper = [*prior[:2], FRESH_RATE, FRESH_RATE]  # what an unseen depth was priced at before
-    assert best_gamma(fresh_deeper, cost) == 2
-    for _ in range(1000):
-        policy.observe([0], drafted=[0], accepted=[0])
-    assert pooled_prior(cost.pooled, 4) == pytest.approx([FRESH_RATE] * 4, abs=1e-2)
-
-
 def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
     """Past the deepest position a row has drafted, its prior is the pooled rate there scaled up by how far
     the row beat the pooled rate one position above: after recent rows kept about half their drafts, a row
@@ -241,7 +218,7 @@ def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
     for i in range(5):
         policy.observe([0, 1], drafted=[2, 2], accepted=[2, i % 3])
     kept, average = policy.acceptance(0), policy.acceptance(1)
-    pooled = pooled_prior(cost.pooled, 4)
+    pooled = cost.pooled.rates(np.full(4, FRESH_RATE), FRESH_WEIGHT)[0]
     unlifted = policy.counts.rates(pooled, PRIOR_WEIGHT)  # [2, 4]: the rows' counts at the pooled rates alone
     assert kept[0] == pytest.approx(unlifted[0, 0]) and kept[1] >= unlifted[0, 1] and kept[2] > unlifted[0, 2] + 0.1
     assert kept[3] == pytest.approx(unlifted[0, 3])
