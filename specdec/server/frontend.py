@@ -82,8 +82,8 @@ class EngineBridge:
     """Engine process: runs one frontend's submits, cancels and calls on the Scheduler, and sends its
     requests' events back, one message per hand-over."""
 
-    def __init__(self, scheduler: Scheduler, conn, group: Frontends) -> None:
-        self.scheduler, self.conn, self.group = scheduler, conn, group
+    def __init__(self, conn, group: Frontends) -> None:
+        self.scheduler, self.conn, self.group = group.scheduler, conn, group
         self.sending = threading.Lock()
         self.lock = threading.Lock()  # pending and requests: the decode thread and the bridge thread
         self.pending: list[tuple[int, Event]] = []
@@ -176,7 +176,7 @@ class FrontendProcess:
         scheduler = group.scheduler
         context = mp.get_context("spawn")  # never fork a process that holds CUDA
         self.conn, theirs = context.Pipe()
-        self.bridge = EngineBridge(scheduler, self.conn, group)
+        self.bridge = EngineBridge(self.conn, group)
         self.process = context.Process(target=run_frontend, name=f"specdec-frontend-{index}", daemon=True,
                                        args=(theirs, tokenizer, settings, scheduler.config, scheduler.vocab_size, options,
                                              index, sock))

@@ -17,8 +17,8 @@ The garbage collector's pauses in the serving process (`specdec_gc_seconds_total
 `specdec_gc_collections_total`, by `generation`): a full collection stops every thread, the decode loop
 included, and how often one runs depends on what the loop allocates.
 
-Memory and CPU, read at scrape time: `process_resident_memory_bytes` (Linux), `process_cpu_seconds_total`
-(every thread of the process, user and system) and, once the process uses CUDA,
+Memory and CPU, read at scrape time: `process_resident_memory_bytes` and `process_cpu_seconds_total` (every
+thread of the process, user and system; both from /proc on Linux, absent elsewhere) and, once the process uses CUDA,
 `specdec_cuda_memory_allocated_bytes` and `specdec_cuda_memory_reserved_bytes` (torch's caching
 allocator) with a `device` label per device holding memory; absent on the CPU. Where HTTP is served by
 processes apart from the engine (frontend.py), the engine reads theirs from /proc as well:
@@ -279,11 +279,11 @@ class ServerMetrics:
                 *self.render_vllm(model_name),
                 *self.gc.render(),
             ]
-        rss = resident_memory_bytes()
-        if rss is not None:
-            lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
-        lines += counter("process_cpu_seconds_total", "User and system CPU time of every thread of the process.",
-                         time.process_time())
+        usage = read_process_usage("self")
+        if usage is not None:
+            lines += gauge("process_resident_memory_bytes", "Resident memory size in bytes.", usage.rss_bytes)
+            lines += counter("process_cpu_seconds_total", "User and system CPU time of every thread of the process.",
+                             usage.cpu_seconds)
         lines += cuda_memory_lines(read_cuda_memory())
         return "\n".join(lines) + "\n"
 
@@ -314,23 +314,15 @@ def gauge(name: str, about: str, value: float) -> list[str]:
     return [f"# HELP {name} {about}", f"# TYPE {name} gauge", f"{name} {value}"]
 
 
-def resident_memory_bytes() -> int | None:
-    """This process's resident set size (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 @dataclass(frozen=True)
 class ProcessUsage:
     rss_bytes: int
     cpu_seconds: float  # user + system, every thread
 
 
-def read_process_usage(pid: int) -> ProcessUsage | None:
-    """Another process's resident memory and CPU time (Linux /proc/PID/stat; None elsewhere or once it has ended)."""
+def read_process_usage(pid: int | str) -> ProcessUsage | None:
+    """A process's resident memory and CPU time: this one's ("self") or another's, e.g. an HTTP frontend's
+    (Linux /proc/PID/stat; None elsewhere or once it has ended)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
