@@ -41,6 +41,14 @@ EXPLORE_MOST = 1024
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the pooled rate in a row's estimate (blended_rates)
 POOL_DECAY = 0.98  # per step: a pooled estimate follows the recent traffic
 FRESH_RATE, FRESH_WEIGHT = 0.5, 2.0  # a pooled estimate's own prior: before, and long after, any draft
+REACHED = 1.0  # decayed drafts that make a position one the pooled estimate has seen (pooled_prior)
+DRAFT_SAMPLES = 64  # drafting steps whose median seconds per draft token is the engine's c
+# At gamma 0 the cost policies price the gammas again only every REPRICE_EVERY steps (the server's sooner when
+# its rows' counts change): pricing is most of a policy's host work per step (the engine's 25 of 32 us a
+# step on a 2-core CPU, the server's about 0.1 ms of a 15 ms plain step there, which left `cost` 1 % behind
+# `off` where both run plain steps only), while between plain steps only the pooled estimate's decay and
+# the step medians move, slowly.
+REPRICE_EVERY = 8
 
 
 @dataclass
@@ -116,10 +124,34 @@ def draft_outcomes(positions: int, budgets: list[int], num_accepted: list[int]) 
     return reached, reached & (j < kept)
 
 
+def pooled_prior(pooled: Acceptance, positions: int) -> np.ndarray:
+    """The pooled rate at each of `positions` [positions]: recent steps' counts with FRESH_WEIGHT
+    pseudo-observations at FRESH_RATE, except past the deepest position recent steps reached (at least
+    REACHED drafts, decayed), where the pseudo-observations are at that position's rate when it beat
+    FRESH_RATE. A depth no recent step drafted is expected to keep up with the deepest one drafted: drafts
+    that got that far tend to go on (a copied span, an easy stretch), and at FRESH_RATE for every depth
+    not drafted yet, a policy whose shallow drafts do not pay for a step's fixed drafting cost never
+    finds that deep ones do. On an H200 (bf16, 64 mixed and held-out prompts, 3 passes) the engine's
+    `cost` with `suffix` stopped drafting after 18 prompts and ran at 1.00x plain; priced so, it ran at
+    1.50x, as gamma 4 did; every other drafter within 0.01x (docs/design.md, "Pricing a step"). Below
+    FRESH_RATE the deepest rate is not extrapolated: a drafter out of its domain keeps FRESH_RATE's
+    chance to try a depth again."""
+    counts = pooled.widened(positions)
+    width = counts.offered.shape[1]
+    fresh = np.full(width, FRESH_RATE)
+    rates = counts.rates(fresh, FRESH_WEIGHT)[0]  # [width]
+    reached = np.flatnonzero(counts.offered[0] >= REACHED)
+    if len(reached) and reached[-1] + 1 < width and rates[reached[-1]] > FRESH_RATE:
+        fresh[reached[-1] + 1 :] = rates[reached[-1]]
+        rates = counts.rates(fresh, FRESH_WEIGHT)[0]
+    return rates[:positions]
+
+
 def blended_rates(rows: Acceptance, pooled: Acceptance) -> np.ndarray:
     """alpha [rows, positions] of the cost policies (the engine's and the server's): each row's own counts
-    with PRIOR_WEIGHT pseudo-observations at the pooled rate of recent steps of every row, itself
-    FRESH_WEIGHT pseudo-observations at FRESH_RATE. A new request starts from what recent requests
+    with PRIOR_WEIGHT pseudo-observations at the pooled rate of recent steps of every row (pooled_prior),
+    itself FRESH_WEIGHT pseudo-observations at FRESH_RATE, or past the deepest position recent steps
+    drafted at that position's rate where it is higher. A new request starts from what recent requests
     accepted, and a pooled estimate that no draft has fed for a while returns to FRESH_RATE.
 
     Below the first position, a row that beat the pooled rate one position up (where it drafted that far)
@@ -130,7 +162,7 @@ def blended_rates(rows: Acceptance, pooled: Acceptance) -> np.ndarray:
     accepted. (A prior no lower than the row's own rate one position up did as well there, but cost the
     server's EAGLE 4 % at one client: EAGLE's deeper positions are accepted less.)"""
     positions = rows.offered.shape[1]
-    prior = pooled.widened(positions).rates(np.full(positions, FRESH_RATE), FRESH_WEIGHT)[0, :positions]
+    prior = pooled_prior(pooled, positions)
     rates = rows.rates(prior, PRIOR_WEIGHT)  # [rows, positions]
     lift = np.where(rows.offered[:, :-1] > 0, rates[:, :-1] / prior[:-1], 1.0)  # [rows, positions - 1]
     deeper = np.minimum(1.0, prior[1:] * np.maximum(lift, 1.0))
@@ -203,29 +235,29 @@ class CostModel:
     A shape not run for a while is measured again (`expire`): its steps were timed under whatever shared
     the machine then, and a policy that never chooses it again never corrects them. On the 2-core CPU a
     test suite running beside the first minutes of a `suffix` bench priced drafting out for the rest of it
-    (0.07 tokens drafted a step, 0.98x plain, where the run left alone gave 1.88x)."""
+    (0.07 tokens drafted a step, 0.98x plain, where the run left alone gave 1.88x).
+
+    c, what a draft token costs, is the median of the last DRAFT_SAMPLES drafting steps, and once expiry
+    leaves no drafting shape measured it is forgotten too (0 until the next drafting step): a cumulative
+    mean kept a stretch of slow drafts (the `suffix` drafter's steps took 10x their usual host time for
+    a few prompts on an H200) in every later prediction, where no drafting step came to dilute it."""
 
     verify_ratio: dict[int, float]  # k -> r(k)
     t1: float  # seconds of a 1-token target forward
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
-    draft_s_per_token: float = 0.0  # running mean
-    draft_tokens: int = 0
+    draft_seen: deque = field(default_factory=lambda: deque(maxlen=DRAFT_SAMPLES))  # seconds a draft token, a step
     steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine does not probe
     rows: int = 1  # the batch size the next steps run at
     pooled: Acceptance = field(default_factory=lambda: Acceptance.empty(1, 1))  # recent steps' acceptance, every row
     observed: int = 0  # whole steps observed
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
+    c: float = 0.0  # seconds of a draft token / t1, from draft_seen
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
-            total = self.draft_s_per_token * self.draft_tokens + seconds
-            self.draft_tokens += tokens
-            self.draft_s_per_token = total / self.draft_tokens
-
-    @property
-    def c(self) -> float:
-        return self.draft_s_per_token / self.t1
+            self.draft_seen.append(seconds / tokens)
+            self.c = statistics.median(self.draft_seen) / self.t1
 
     def predicted_cost(self, B: int, gamma: int) -> float:
         """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B)."""
@@ -244,12 +276,15 @@ class CostModel:
     def expire(self) -> None:
         """Drop the measurements of each shape of this batch size not run for its wait (EXPLORE_EVERY at
         first, doubling each time up to EXPLORE_MOST): it is predicted again, scaled by the shapes measured
-        since, and measured again if chosen."""
+        since, and measured again if chosen; with no drafting shape measured any more, c is forgotten too."""
         for B, gamma in [key for key in self.steps.median if key[0] == self.rows]:
             wait = self.expire_after.get((B, gamma), EXPLORE_EVERY)
             if self.observed - self.last_run.get((B, gamma), self.observed) >= wait:
                 self.steps.forget(B, gamma, self.predicted_cost)
                 self.expire_after[B, gamma] = min(2 * wait, EXPLORE_MOST)
+                if self.draft_seen and not any(g for _, g in self.steps.median):
+                    self.draft_seen.clear()
+                    self.c = 0.0
 
 
 def verify_widths(drafter, gamma_max: int) -> dict[int, int]:
@@ -273,6 +308,7 @@ class GammaPolicy:
     threshold: float = 0.4  # `confidence`
     cost: CostModel | None = None  # `cost`
     rows: list[int] = field(default_factory=list)  # current gamma per row (heuristic)
+    unpriced: list[int | None] = field(default_factory=list)  # `cost`: plain steps a row chose unpriced since gamma 0 won
     counts: Acceptance = field(default_factory=lambda: Acceptance.empty(0, 1))  # per row of the call
     rates: np.ndarray | None = None  # [rows, gamma_max] acceptance() of every row, until the next observe
 
@@ -287,6 +323,7 @@ class GammaPolicy:
 
     def start(self, batch_size: int) -> None:
         self.rows = [self.gamma] * batch_size
+        self.unpriced = [None] * batch_size
         self.counts = Acceptance.empty(batch_size, self.gamma_max)
         self.rates = None
         if self.cost is not None:
@@ -300,7 +337,12 @@ class GammaPolicy:
             return self.rows[b]
         if self.name == "confidence":
             return self.gamma_max
-        return best_gamma(self.acceptance(b), self.cost)
+        if self.unpriced[b] is not None and self.unpriced[b] < REPRICE_EVERY:  # gamma 0 stands (REPRICE_EVERY)
+            self.unpriced[b] += 1
+            return 0
+        gamma = best_gamma(self.acceptance(b), self.cost)
+        self.unpriced[b] = None if gamma else 0
+        return gamma
 
     def acceptance(self, b: int) -> list[float]:
         """alpha_j for j = 1..gamma_max: row b's steps blended with the engine's recent ones (blended_rates;

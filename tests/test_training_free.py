@@ -13,8 +13,9 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, STEP_SAMPLES, CostModel, GammaPolicy,
-                              StepSeconds, best_gamma, expected_tokens)
+from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, REPRICE_EVERY, STEP_SAMPLES, CostModel,
+                              GammaPolicy,
+                              StepSeconds, best_gamma, expected_tokens, pooled_prior)
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -143,9 +144,9 @@ def test_sampling_matches_plain(small, plain_sample, drafter, config):
 def test_expected_tokens_and_best_gamma():
     assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1.75)
     assert expected_tokens([0.9, 0.1], 2) == pytest.approx(1 + 0.9 + 0.09)
-    cheap = CostModel({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}, t1=0.05, draft_s_per_token=0.0005, draft_tokens=10)
+    cheap = CostModel({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2}, t1=0.05, c=0.01)
     assert best_gamma([0.9] * 4, cheap) == 4  # accepted often, verification cheap: draft the most
-    costly = CostModel({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}, t1=0.05, draft_s_per_token=0.05, draft_tokens=10)
+    costly = CostModel({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0, 5: 5.0}, t1=0.05, c=1.0)
     assert best_gamma([0.3] * 4, costly) == 0  # rarely accepted and each draft costs a step: plain decoding
 
 
@@ -154,8 +155,8 @@ def test_best_gamma_prices_a_tree_by_the_nodes_it_verifies():
     """On a compute-bound target every verified token costs; a tree verifies its nodes, not its depth.
     Priced as a chain of its depth, a 10-node tree looks cheap and keeps drafting where it loses."""
     linear = {k: 0.7 + 0.3 * k for k in range(1, 12)}  # r(k): a third of a step per extra token
-    chain = CostModel(linear, t1=0.05, draft_s_per_token=0.005, draft_tokens=10)
-    tree = CostModel(linear, t1=0.05, draft_s_per_token=0.005, draft_tokens=10, widths={0: 0, 1: 4, 2: 7, 3: 10})
+    chain = CostModel(linear, t1=0.05, c=0.1)
+    tree = CostModel(linear, t1=0.05, c=0.1, widths={0: 0, 1: 4, 2: 7, 3: 10})
     alphas = [0.45] * 3
     assert best_gamma(alphas, chain) > 0
     assert best_gamma(alphas, tree) == 0
@@ -167,7 +168,7 @@ def test_best_gamma_follows_measured_whole_steps():
     predictions of the drafting gammas (at once) and replace a gamma's once STEP_SAMPLES ran; in the
     engine, which times steps by phase, a plain step keeps its prediction until plain steps are measured. From timed forwards alone a drafting step
     looked nearly free (Medusa kept drafting out of domain)."""
-    cheap = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, t1=0.05, draft_s_per_token=0.001, draft_tokens=10)
+    cheap = CostModel({1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}, t1=0.05, c=0.02)
     alphas = [0.15] * 3
     assert best_gamma(alphas, cheap) > 0  # predicted: 15 % acceptance pays for a 2 % dearer step
     cheap.observe_step(1, 0.05 * 1.25)  # measured: a quarter of a step more
@@ -203,6 +204,65 @@ def test_the_cost_policy_starts_a_request_from_recent_acceptance():
     assert policy.acceptance(0) == pytest.approx([FRESH_RATE] * 3, abs=1e-2)
 
 
+def test_a_depth_not_drafted_recently_is_priced_as_the_deepest_one_drafted_where_that_beat_fresh_rate():
+    """Past the deepest position recent steps drafted, the pooled prior is that position's rate where it
+    beats FRESH_RATE: after steps of 2 drafts that kept 2 in 4 of 5, depths 3 and 4 are expected at the
+    rate of depth 2 (about 0.8), so where verifying deeper is free and a draft token costs a fifth of a
+    forward the policy drafts 4, where 0.5 at each depth not drafted yet kept it at 2. After steps that
+    kept few drafts, the depths not drafted stay at FRESH_RATE, not at the lower rate; long after any
+    draft every depth is back at FRESH_RATE."""
+    cost = CostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, t1=0.05, c=0.2)  # verifying deeper is free
+    policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
+    policy.start(1)
+    for i in range(40):
+        policy.observe([0], drafted=[2], accepted=[2 if i % 5 else 1])
+    prior = pooled_prior(cost.pooled, 4)
+    assert prior[2] == pytest.approx(prior[1]) and prior[3] == pytest.approx(prior[1]) and prior[1] > 0.75
+    policy.start(1)  # a new call's row: no counts of its own
+    assert best_gamma(policy.acceptance(0), cost) == 4
+    fresh_deeper = [*prior[:2], FRESH_RATE, FRESH_RATE]  # what a depth not drafted was priced at before
+    assert best_gamma(fresh_deeper, cost) == 2
+    for i in range(200):
+        policy.observe([0], drafted=[2], accepted=[1 if i % 5 == 0 else 0])  # depth 2 kept 1 in 5 times
+    prior = pooled_prior(cost.pooled, 4)
+    assert prior[1] < 0.3 and prior[2:] == pytest.approx([FRESH_RATE] * 2)
+    for _ in range(1000):
+        policy.observe([0], drafted=[0], accepted=[0])
+    assert pooled_prior(cost.pooled, 4) == pytest.approx([FRESH_RATE] * 4, abs=1e-2)
+
+
+def test_c_is_the_median_of_recent_drafts_and_is_forgotten_when_no_drafting_shape_is_measured():
+    """A stretch of slow drafts (10x) moves c only while it lasts, and once plain steps have outlasted the
+    drafting shapes' measurements c is forgotten too, so drafting is priced at its verify forward and tried
+    again; kept, an inflated mean priced drafting out for good (`suffix` on an H200 drafted nothing for the
+    last 170 of 192 prompts)."""
+    cost = CostModel({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, t1=0.05)
+    for i in range(20):
+        cost.observe_draft(0.005 * (10 if i % 4 == 0 else 1), tokens=2)  # one step in four 10x slower
+    assert cost.c == pytest.approx(0.05)
+    for _ in range(40):
+        cost.observe_draft(0.05, tokens=2)
+        cost.observe_step(2, 2 * cost.t1)
+    assert cost.c == pytest.approx(0.5) and best_gamma([0.5] * 4, cost) == 0
+    for _ in range(EXPLORE_EVERY):
+        cost.observe_step(0, cost.t1)
+    assert cost.c == 0.0 and not cost.draft_seen and best_gamma([0.5] * 4, cost) == 4
+
+
+def test_at_gamma_0_the_engines_cost_policy_prices_the_gammas_every_reprice_every_steps():
+    """Once plain steps win, a row's gammas are priced again only every REPRICE_EVERY steps (pricing is most
+    of the policy's host work a step); a row that drafts is priced at every step."""
+    cost = CostModel({1: 1.0, 2: 1.0, 3: 1.0}, t1=0.05, c=0.5)
+    policy = GammaPolicy("cost", gamma=2, gamma_max=2, cost=cost)
+    policy.start(2)
+    for _ in range(40):
+        policy.observe([0, 1], drafted=[2, 2], accepted=[0, 2])
+    assert policy.choose(0) == 0 and policy.choose(1) == 2
+    cost.c = 0.0  # drafting is now free: row 0 finds out at its next pricing
+    assert [policy.choose(0) for _ in range(REPRICE_EVERY + 1)] == [0] * REPRICE_EVERY + [2]
+    assert policy.choose(1) == 2
+
+
 def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
     """Past the deepest position a row has drafted, its prior is the pooled rate there scaled up by how far
     the row beat the pooled rate one position above: after recent rows kept about half their drafts, a row
@@ -218,7 +278,7 @@ def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
     for i in range(5):
         policy.observe([0, 1], drafted=[2, 2], accepted=[2, i % 3])
     kept, average = policy.acceptance(0), policy.acceptance(1)
-    pooled = cost.pooled.rates(np.full(4, FRESH_RATE), FRESH_WEIGHT)[0]
+    pooled = pooled_prior(cost.pooled, 4)
     unlifted = policy.counts.rates(pooled, PRIOR_WEIGHT)  # [2, 4]: the rows' counts at the pooled rates alone
     assert kept[0] == pytest.approx(unlifted[0, 0]) and kept[1] >= unlifted[0, 1] and kept[2] > unlifted[0, 2] + 0.1
     assert kept[3] == pytest.approx(unlifted[0, 3])
@@ -246,17 +306,17 @@ def test_a_lazy_drafters_catch_up_is_not_priced_as_drafting():
 
     idle = [SHORT_GAP]  # a row just prefilled
     observe(policy, step(3, 0.5), idle)  # its first draft caught it up over its prompt
-    assert cost.draft_tokens == 0 and not cost.steps.seen
+    assert not cost.draft_seen and not cost.steps.seen
     observe(policy, step(3, 0.015), idle)
-    assert cost.c == pytest.approx(0.1) and cost.draft_tokens == 3
+    assert cost.c == pytest.approx(0.1) and len(cost.draft_seen) == 1
     for _ in range(SHORT_GAP):
         observe(policy, step(0, 0.0), idle)
     observe(policy, step(3, 0.4), idle)  # after a stretch at gamma 0: caught up again
-    assert cost.c == pytest.approx(0.1) and cost.draft_tokens == 3
+    assert cost.c == pytest.approx(0.1) and len(cost.draft_seen) == 1
     eager = GammaPolicy("cost", gamma=3, gamma_max=3, cost=CostModel({1: 1.0, 2: 1.1}, t1=0.05))
     eager.start(1)
     observe(eager, step(3, 0.015), None)  # a stepper that feeds its drafter every step: every draft priced
-    assert eager.cost.draft_tokens == 3
+    assert len(eager.cost.draft_seen) == 1
 
 
 def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
@@ -291,7 +351,7 @@ def test_the_cost_policy_drafts_again_after_a_load_priced_drafting_out():
     """Drafting steps take 20x their prediction for the first 60 steps (a load passing by; every draft is
     accepted throughout): the policy turns to plain steps, and once those measurements have expired it
     drafts again, where without expiry it would never run a drafting step again to see the load gone."""
-    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, t1=0.05, draft_s_per_token=0.005, draft_tokens=10)
+    cost = CostModel({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}, t1=0.05, c=0.1)
     policy = GammaPolicy("cost", gamma=3, gamma_max=3, cost=cost)
     policy.start(1)
     chosen = []

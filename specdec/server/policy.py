@@ -51,7 +51,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, STEP_SAMPLES, Acceptance, StepSeconds, batch_expected_tokens,
+from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, REPRICE_EVERY, STEP_SAMPLES, Acceptance, StepSeconds, batch_expected_tokens,
                               blended_rates, forward_sizes)
 from specdec.costs import interpolate, synchronize
 from specdec.errors import UserError
@@ -69,11 +69,6 @@ MEASURED_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 # with EAGLE at 16 clients stayed at gamma 1, 3.5 % slower there than gamma 0 (step medians 130.9 and
 # 74.3 ms at acceptance 0.70), for 178-335 of ~570-680 steps a level once noise had moved it there.
 SWITCH_MARGIN = 0.05
-# `cost` at gamma 0 re-prices the gammas only when the rows' acceptance counts changed (a row joined or
-# left) or after this many steps: with the rows the same, only the pooled estimate's decay and the step
-# medians move, slowly, between plain steps. Pricing every gamma took about 0.1 ms of a 15 ms plain step
-# on a 2-core CPU, which left `cost` 1 % behind `off` where both run plain steps only.
-REPRICE_EVERY = 8
 
 
 @dataclass
