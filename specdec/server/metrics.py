@@ -65,16 +65,14 @@ class GcPauses:
         """The counters as `{prefix}_gc_seconds_total` and `{prefix}_gc_collections_total` (an HTTP frontend's
         process: prefix specdec_frontend, labels 'frontend="k"')."""
         more = f",{labels}" if labels else ""
-        frozen = f"{prefix}_gc_frozen_objects" + (f"{{{labels}}}" if labels else "")
         return [f"# HELP {prefix}_gc_seconds_total Seconds {process} spent in garbage collections, by generation.",
                 f"# TYPE {prefix}_gc_seconds_total counter",
                 *(f'{prefix}_gc_seconds_total{{generation="{g}"{more}}} {s:.6f}' for g, s in enumerate(self.seconds)),
                 f"# HELP {prefix}_gc_collections_total Garbage collections in {process}, by generation.",
                 f"# TYPE {prefix}_gc_collections_total counter",
                 *(f'{prefix}_gc_collections_total{{generation="{g}"{more}}} {n}' for g, n in enumerate(self.collections)),
-                f"# HELP {prefix}_gc_frozen_objects Objects {process} has frozen out of the collector's reach "
-                "(gc.freeze, once start-up is done).", f"# TYPE {prefix}_gc_frozen_objects gauge",
-                f"{frozen} {gc.get_freeze_count()}"]
+                *gauge(f"{prefix}_gc_frozen_objects", f"Objects {process} has frozen out of the collector's reach "
+                       "(gc.freeze, once start-up is done).", gc.get_freeze_count(), labels)]
 
 
 _gc_pauses: GcPauses | None = None
@@ -310,8 +308,10 @@ def per_position(name: str, counts: list[int]) -> list[str]:
     return [f'{name}{{position="{i + 1}"}} {n}' for i, n in enumerate(counts)]
 
 
-def gauge(name: str, about: str, value: float) -> list[str]:
-    return [f"# HELP {name} {about}", f"# TYPE {name} gauge", f"{name} {value}"]
+def gauge(name: str, about: str, value: float, labels: str = "") -> list[str]:
+    """One gauge series; `labels` as 'frontend="0"' (none by default)."""
+    series = f"{name}{{{labels}}}" if labels else name
+    return [f"# HELP {name} {about}", f"# TYPE {name} gauge", f"{series} {value}"]
 
 
 @dataclass(frozen=True)
