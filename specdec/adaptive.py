@@ -252,7 +252,7 @@ class CostModel:
     observed: int = 0  # whole steps observed
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
-    c: float = 0.0  # seconds of a draft token / t1, from draft_seen
+    c: float = 0.0  # seconds of a draft token / t1: draft_seen's median, kept (asked at every gamma of every step)
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
