@@ -556,9 +556,11 @@ class Stepper:
             raise ValueError(f"a prefill chunk of {chunk} tokens cannot read a token of each of {len(slots)} rows")
         order = sorted(range(len(slots)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
         slots, requests = [slots[i] for i in order], [requests[i] for i in order]
-        rows = self.batch.take(slots, requests)
         lengths = [len(r.prompt) for r in requests]
-        graph = self.prefill_graph(len(rows), lengths[0], chunk)
+        graph = self.prefill_graph(len(slots), lengths[0], chunk)
+        if graph is not None and graph not in self.join_graphs and not self.batch.rows:
+            self.capture_prefill(graph)  # first use in an idle batch (an engine's call): its slots are still free
+        rows = self.batch.take(slots, requests)
         with self.reading_prompts():  # the scratch is written there
             scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
         return Prefill(rows, to_device(slots, self.device), lengths, chunk, scratch, graph)
@@ -748,10 +750,19 @@ class Stepper:
         a capture; calls `done` after each, returns how many were new."""
         missing = self.missing_prefills(max_rows)
         for shape in missing:
-            self.prefill_graphs.capture(shape)
-            self.capture_join(shape)
+            self.capture_prefill(shape)
             done()
         return len(missing)
+
+    def capture_prefill(self, key: tuple[int, int]) -> None:
+        """Capture whole-prompt prefill shape `key` (PrefillGraphs), if it is not yet, and its join (JoinGraph):
+        the server captures every shape at start (capture_prefills), an engine each at its first use
+        (start_prefill). With the prefill alone captured, an engine joined its rows eagerly at every call,
+        a draft model's or EAGLE's pass over the prompt included: most likely why `layer_skip`, which never
+        drafted, ran 0.85-0.91x plain on 49-62-token answers on an H200 (docs/design.md, "Out of domain")."""
+        if key not in self.prefill_graphs.graphs:
+            self.prefill_graphs.capture(key)
+        self.capture_join(key)
 
     def capture_join(self, key: tuple[int, int]) -> None:
         """Capture the join of prefill shape `key` (JoinGraph). Its warm-up and capture write into a free

@@ -88,6 +88,21 @@ def test_chunked_prefill_decodes_as_plain_greedy(models, plain, name, chunk):  #
         assert outcome[chunk] == outcome[None]
 
 
+@pytest.mark.parametrize("name", ["draft_model", "eagle"])
+def test_a_prompt_shapes_join_is_captured_at_its_first_use_in_an_idle_batch(models, plain, name):  # noqa: F811
+    """CUDA, native target: an engine's call (every row joining an idle batch) captures its prompt shape's
+    join beside the prefill (Stepper.capture_prefill), which a server captures at start; the join's replay
+    decodes as plain greedy."""
+    target, _, draft = models
+    stepper = new_stepper(target, make_drafter(name, target, draft), 3, 128, list(eos_ids(target)))
+    if stepper.prefill_graphs is None:
+        pytest.skip("whole prompts are read by captured graphs only on CUDA, for a native target on the exact kernels")
+    arrivals = [Arrival(0, slot, Request(PROMPTS[slot], MAX_NEW, SamplingParams())) for slot in range(3)]
+    rows = decode_as_served(stepper, arrivals, None)
+    assert stepper.join_graphs
+    assert [rows[slot].generated for slot in range(3)] == plain
+
+
 @pytest.mark.parametrize("chunk", [1, 3, None])
 @pytest.mark.parametrize("name", ["ngram", "draft_model", "eagle", "medusa"])
 def test_chunked_prefill_keeps_near_ties(flat, name, chunk):  # noqa: F811
