@@ -14,6 +14,8 @@ Policies (per row of a batch):
   gamma, which a compute-bound target pays for one by one), until the engine has measured whole
   steps of that gamma (StepSeconds, shared with the server's policy): a tree's verification on a CPU
   costs more than its forward, and predicting from forwards alone kept Medusa drafting out of domain.
+  The engine's `cost` probes depth now and then (CostModel.probe): a few steps at gamma_max, so that
+  depths it stopped drafting are counted again.
 A fixed gamma is the `fixed` policy.
 """
 
@@ -253,6 +255,9 @@ class CostModel:
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
     c: float = 0.0  # seconds of a draft token / t1: draft_seen's median, kept (asked at every gamma of every step)
+    probe_left: int = 0  # steps left of a deep probe (`probe`): every row drafts gamma_max
+    since_deep: int = 0  # steps since one drafted gamma_max
+    probe_after: int = EXPLORE_EVERY  # steps below gamma_max before the next probe (EXPLORE_*)
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
@@ -272,6 +277,30 @@ class CostModel:
         self.observed += 1
         self.last_run[self.rows, gamma] = self.observed
         self.expire()
+        self.probe(gamma)
+
+    def probe(self, gamma: int) -> None:
+        """After `probe_after` steps below gamma_max, the next STEP_SAMPLES steps draft gamma_max (`probing`),
+        so that the depths the policy stopped drafting are counted again: expiry re-measures a shape's step
+        time, never acceptance, and a depth not drafted is priced at the pooled prior (pooled_prior), which
+        out of domain can sit below what the depth really keeps. Each probe doubles the wait (up to
+        EXPLORE_MOST); a step the policy itself runs at gamma_max resets it. Only where a gamma_max step
+        could pay were every draft kept (its verify forward under gamma_max + 1 plain ones)."""
+        deepest = max(self.widths, default=0)
+        if self.probe_left:
+            self.probe_left -= 1
+            return
+        if gamma >= deepest:
+            self.since_deep, self.probe_after = 0, EXPLORE_EVERY
+            return
+        self.since_deep += 1
+        if self.since_deep >= self.probe_after and self.predicted_cost(self.rows, deepest) - deepest * self.c < deepest + 1:
+            self.probe_left, self.since_deep = STEP_SAMPLES, 0
+            self.probe_after = min(2 * self.probe_after, EXPLORE_MOST)
+
+    @property
+    def probing(self) -> bool:
+        return self.probe_left > 0
 
     def expire(self) -> None:
         """Drop the measurements of each shape of this batch size not run for its wait (EXPLORE_EVERY at
@@ -336,6 +365,8 @@ class GammaPolicy:
         if self.name == "heuristic":
             return self.rows[b]
         if self.name == "confidence":
+            return self.gamma_max
+        if self.cost.probing:  # CostModel.probe
             return self.gamma_max
         if self.unpriced[b] is not None and self.unpriced[b] < REPRICE_EVERY:  # gamma 0 stands (REPRICE_EVERY)
             self.unpriced[b] += 1

@@ -263,6 +263,56 @@ def test_at_gamma_0_the_engines_cost_policy_prices_the_gammas_every_reprice_ever
     assert policy.choose(1) == 2
 
 
+def test_a_deep_probe_finds_depths_that_pay_after_a_first_draft_that_rarely_does():
+    """Rows keep their first draft 45 % of the time but nearly every draft past it (a copied span): a
+    policy that prices depths it has not drafted at the pooled prior stays shallow or plain, never seeing
+    that deep drafts pay. After EXPLORE_EVERY steps below gamma_max every row drafts gamma_max for
+    STEP_SAMPLES steps (CostModel.probe), and once those are counted the policy drafts deep on its own.
+    Verifying deeper is free here; a new call every 100 steps."""
+    import random
+
+    rng = random.Random(0)
+    cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
+    policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
+    chosen = []
+    for step in range(600):
+        if step % 100 == 0:
+            policy.start(1)
+        gamma = policy.choose(0)
+        chosen.append(gamma)
+        kept = 0
+        while kept < gamma and rng.random() < (0.45 if kept == 0 else 0.9):
+            kept += 1
+        policy.observe([0], [gamma], [kept])
+        cost.observe_draft(0.0002 * gamma, gamma)
+        cost.observe_step(gamma, 0.001 * (1 + 0.2 * gamma))
+    first_probe = next(i for i in range(len(chosen) - STEP_SAMPLES) if chosen[i : i + STEP_SAMPLES] == [4] * STEP_SAMPLES)
+    assert first_probe <= EXPLORE_EVERY + 2 and max(chosen[1:first_probe]) < 4  # its first step: the fresh prior
+    assert chosen[200:].count(4) > 0.7 * len(chosen[200:])
+
+
+def test_a_deep_probe_waits_twice_as_long_each_time_and_never_runs_where_it_could_not_pay():
+    """Probes at EXPLORE_EVERY, then 2x, 4x ... (up to EXPLORE_MOST) steps below gamma_max; none where a
+    gamma_max step's verify forward costs gamma_max + 1 plain ones (a compute-bound CPU), since not even
+    perfect acceptance would pay there."""
+    cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
+    starts, step = [], 0
+    while len(starts) < 4:
+        if not cost.probing:
+            cost.observe_step(0, 0.001)
+            if cost.probing:
+                starts.append(step)
+        else:
+            cost.observe_step(4, 0.001)
+        step += 1
+    gaps = [b - a - STEP_SAMPLES for a, b in zip(starts, starts[1:])]
+    assert starts[0] == EXPLORE_EVERY - 1 and gaps == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY]
+    dear = CostModel({k: float(k) for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})  # r(k) = k
+    for _ in range(4 * EXPLORE_EVERY):
+        dear.observe_step(0, 0.001)
+    assert not dear.probing
+
+
 def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
     """Past the deepest position a row has drafted, its prior is the pooled rate there scaled up by how far
     the row beat the pooled rate one position above: after recent rows kept about half their drafts, a row
