@@ -89,10 +89,11 @@ class SpecEngine:
         if longest >= self.target.max_context:
             raise UserError(f"prompt of {longest} tokens does not fit the model's context of {self.target.max_context}")
         max_new = min(config.max_new_tokens, self.target.max_context - longest)
+        cost = None  # only `cost` calls feed the cost model: a fixed gamma's steps reset its probe wait (CostModel.probe)
         if config.gamma_policy == "cost":
-            self.measure_costs(prompts[0], config.gamma_max).rows = len(prompts)
-        policy = GammaPolicy(config.gamma_policy, config.gamma, config.gamma_max, config.confidence_threshold,
-                             self.cost_model)
+            cost = self.measure_costs(prompts[0], config.gamma_max)
+            cost.rows = len(prompts)
+        policy = GammaPolicy(config.gamma_policy, config.gamma, config.gamma_max, config.confidence_threshold, cost)
         policy.start(len(prompts))
         width = self.drafter.shape(policy.largest).width
         stepper = self.stepper_for(len(prompts), longest + max_new + width + 2)

@@ -293,8 +293,8 @@ def test_a_deep_probe_finds_depths_that_pay_after_a_first_draft_that_rarely_does
 
 def test_a_deep_probe_waits_twice_as_long_each_time_and_never_runs_where_it_could_not_pay():
     """Probes at EXPLORE_EVERY, then 2x, 4x ... (up to EXPLORE_MOST) steps below gamma_max; none where a
-    gamma_max step's verify forward costs gamma_max + 1 plain ones (a compute-bound CPU), since not even
-    perfect acceptance would pay there."""
+    gamma_max step costs gamma_max + 1 plain ones, through its verify forward (a compute-bound CPU) or its
+    drafting (a draft token at 1.1 plain steps), since not even perfect acceptance would pay there."""
     cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
     starts, step = [], 0
     while len(starts) < 4:
@@ -308,9 +308,11 @@ def test_a_deep_probe_waits_twice_as_long_each_time_and_never_runs_where_it_coul
     gaps = [b - a - STEP_SAMPLES for a, b in zip(starts, starts[1:])]
     assert starts[0] == EXPLORE_EVERY - 1 and gaps == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY]
     dear = CostModel({k: float(k) for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})  # r(k) = k
+    slow = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)}, c=1.1)
     for _ in range(4 * EXPLORE_EVERY):
         dear.observe_step(0, 0.001)
-    assert not dear.probing
+        slow.observe_step(0, 0.001)
+        assert not dear.probing and not slow.probing
 
 
 def test_a_row_better_than_recent_rows_is_priced_better_one_position_deeper():
@@ -374,6 +376,9 @@ def test_the_engine_measures_its_steps_for_the_cost_policy(tiny):
     engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, specdec.SpecConfig(max_new_tokens=24, gamma_policy="cost", gamma_max=3))
     seen = engine.cost_model.steps.seen
     assert seen and all(B == 2 for B, _ in seen) and sum(len(v) for v in seen.values()) > 5
+    observed = engine.cost_model.observed
+    engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]], specdec.SpecConfig(max_new_tokens=24, gamma=3))
+    assert engine.cost_model.observed == observed  # only `cost` calls feed it (a bench interleaves fixed gammas)
 
 
 def test_a_shape_not_run_for_a_while_is_priced_again_and_waits_twice_as_long_next_time():
