@@ -263,43 +263,56 @@ def test_at_gamma_0_the_engines_cost_policy_prices_the_gammas_every_reprice_ever
     assert policy.choose(1) == 2
 
 
-def test_a_deep_probe_finds_depths_that_pay_after_a_first_draft_that_rarely_does():
+def test_a_deep_probe_finds_depths_that_pay_after_a_first_draft_that_rarely_does(monkeypatch):
     """Rows keep their first draft 45 % of the time but nearly every draft past it (a copied span): a
     policy that prices depths it has not drafted at the pooled prior stays shallow or plain, never seeing
-    that deep drafts pay. After EXPLORE_EVERY steps below gamma_max every row drafts gamma_max for
-    STEP_SAMPLES steps (CostModel.probe), and once those are counted the policy drafts deep on its own.
-    Verifying deeper is free here; a new call every 100 steps."""
+    that deep drafts pay. After EXPLORE_EVERY drafting steps below gamma_max every row drafts gamma_max
+    for STEP_SAMPLES steps (CostModel.probe), and those counted, the policy drafts deeper on its own: more
+    tokens for the same cost than without probes. Verifying deeper is free here; a new call every 100 steps."""
     import random
 
-    rng = random.Random(0)
-    cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
-    policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
-    chosen = []
-    for step in range(600):
-        if step % 100 == 0:
-            policy.start(1)
-        gamma = policy.choose(0)
-        chosen.append(gamma)
-        kept = 0
-        while kept < gamma and rng.random() < (0.45 if kept == 0 else 0.9):
-            kept += 1
-        policy.observe([0], [gamma], [kept])
-        cost.observe_draft(0.0002 * gamma, gamma)
-        cost.observe_step(gamma, 0.001 * (1 + 0.2 * gamma))
+    def decode(probes: bool) -> tuple[list[int], float]:
+        rng = random.Random(0)
+        cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
+        if not probes:
+            monkeypatch.setattr(cost, "probe", lambda gamma: None)
+        policy = GammaPolicy("cost", gamma=4, gamma_max=4, cost=cost)
+        chosen, tokens, seconds = [], 0, 0.0
+        for step in range(600):
+            if step % 100 == 0:
+                policy.start(1)
+            gamma = policy.choose(0)
+            chosen.append(gamma)
+            kept = 0
+            while kept < gamma and rng.random() < (0.45 if kept == 0 else 0.9):
+                kept += 1
+            policy.observe([0], [gamma], [kept])
+            cost.observe_draft(0.0002 * gamma, gamma)
+            cost.observe_step(gamma, 0.001 * (1 + 0.2 * gamma))
+            tokens, seconds = tokens + kept + 1, seconds + 0.001 * (1 + 0.2 * gamma)
+        return chosen, tokens / seconds
+
+    chosen, probed = decode(probes=True)
+    _, unprobed = decode(probes=False)
     first_probe = next(i for i in range(len(chosen) - STEP_SAMPLES) if chosen[i : i + STEP_SAMPLES] == [4] * STEP_SAMPLES)
-    assert first_probe <= EXPLORE_EVERY + 2 and max(chosen[1:first_probe]) < 4  # its first step: the fresh prior
-    assert chosen[200:].count(4) > 0.7 * len(chosen[200:])
+    drafting = [g for g in chosen[1:first_probe] if g]
+    assert len(drafting) >= EXPLORE_EVERY and max(drafting) < 4  # its first step: the fresh prior
+    assert probed > 1.05 * unprobed
 
 
 def test_a_deep_probe_waits_twice_as_long_each_time_and_never_runs_where_it_could_not_pay():
-    """Probes at EXPLORE_EVERY, then 2x, 4x ... (up to EXPLORE_MOST) steps below gamma_max; none where a
+    """Probes at EXPLORE_EVERY, then 2x, 4x ... (up to EXPLORE_MOST) drafting steps below gamma_max; none
+    after plain steps; none where a
     gamma_max step costs gamma_max + 1 plain ones, through its verify forward (a compute-bound CPU) or its
     drafting (a draft token at 1.1 plain steps), since not even perfect acceptance would pay there."""
     cost = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})
+    for _ in range(4 * EXPLORE_EVERY):
+        cost.observe_step(0, 0.001)  # plain steps: no probe
+        assert not cost.probing
     starts, step = [], 0
     while len(starts) < 4:
         if not cost.probing:
-            cost.observe_step(0, 0.001)
+            cost.observe_step(1, 0.001)
             if cost.probing:
                 starts.append(step)
         else:
@@ -310,8 +323,8 @@ def test_a_deep_probe_waits_twice_as_long_each_time_and_never_runs_where_it_coul
     dear = CostModel({k: float(k) for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)})  # r(k) = k
     slow = CostModel({k: 1.0 for k in range(1, 6)}, t1=0.001, widths={g: g for g in range(5)}, c=1.1)
     for _ in range(4 * EXPLORE_EVERY):
-        dear.observe_step(0, 0.001)
-        slow.observe_step(0, 0.001)
+        dear.observe_step(1, dear.predicted_cost(1, 1) * dear.t1)  # steps as predicted
+        slow.observe_step(1, slow.predicted_cost(1, 1) * slow.t1)
         assert not dear.probing and not slow.probing
 
 
