@@ -256,8 +256,8 @@ class CostModel:
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
     c: float = 0.0  # seconds of a draft token / t1: draft_seen's median, kept (asked at every gamma of every step)
     probe_left: int = 0  # steps left of a deep probe (`probe`): every row drafts gamma_max
-    since_deep: int = 0  # steps since one drafted gamma_max
-    probe_after: int = EXPLORE_EVERY  # steps below gamma_max before the next probe (EXPLORE_*)
+    since_deep: int = 0  # drafting steps since one at gamma_max
+    probe_after: int = EXPLORE_EVERY  # drafting steps below gamma_max before the next probe (EXPLORE_*)
 
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:

@@ -758,8 +758,9 @@ class Stepper:
         """Capture whole-prompt prefill shape `key` (PrefillGraphs), if it is not yet, and its join (JoinGraph):
         the server captures every shape at start (capture_prefills), an engine each at its first use
         (start_prefill). With the prefill alone captured, an engine joined its rows eagerly at every call,
-        a draft model's or EAGLE's pass over the prompt included: most likely why `layer_skip`, which never
-        drafted, ran 0.85-0.91x plain on 49-62-token answers on an H200 (docs/design.md, "Out of domain")."""
+        a draft model's or EAGLE's pass over the prompt included: `layer_skip`, which never drafted, ran
+        0.93x plain on qa prompts on an H200, and 0.99x with the joins captured (docs/design.md, "Out of
+        domain")."""
         if key not in self.prefill_graphs.graphs:
             self.prefill_graphs.capture(key)
         self.capture_join(key)
