@@ -248,7 +248,7 @@ class CostModel:
     t1: float  # seconds of a 1-token target forward
     widths: dict[int, int] = field(default_factory=dict)  # gamma -> draft tokens verified per row (default gamma)
     draft_seen: deque = field(default_factory=lambda: deque(maxlen=DRAFT_SAMPLES))  # seconds a draft token, a step
-    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine does not probe
+    steps: StepSeconds = field(default_factory=lambda: StepSeconds(plain_alike=False))  # the engine probes no step time (CostModel.probe is for depth)
     rows: int = 1  # the batch size the next steps run at
     pooled: Acceptance = field(default_factory=lambda: Acceptance.empty(1, 1))  # recent steps' acceptance, every row
     observed: int = 0  # whole steps observed
