@@ -217,6 +217,34 @@ def test_the_hosts_lookup_equals_the_devices():
     assert 1000 < matched < 2000
 
 
+def test_a_rows_window_matched_on_across_steps_is_the_window_matched_afresh():
+    """SuffixDrafter.match_window keeps a row's match in each global generation and matches on over the
+    tokens kept since: it must find what match_pattern over the last max_pattern tokens (then `ahead`)
+    finds, the same state and length, as the text grows by one token or many, the generation grows (new
+    requests) or is dropped, and the match outgrows the window (a row repeating an earlier request)."""
+    rng = random.Random(3)
+    grew = capped = 0
+    for _ in range(60):
+        drafter = SuffixDrafter(SuffixConfig(max_tokens=rng.choice([40, 400]), max_pattern=rng.choice([2, 5, 8])))
+        earlier = [[rng.randrange(3) for _ in range(rng.randint(5, 30))] for _ in range(2)]
+        for text in earlier:
+            add_request(drafter.index, text)
+        row = row_state(list(rng.choice(earlier)[: rng.randint(1, 10)]))
+        for _ in range(25):
+            if rng.random() < 0.1:
+                add_request(drafter.index, [rng.randrange(3) for _ in range(rng.randint(1, 20))])
+                grew += 1
+            row.text += [rng.randrange(3) for _ in range(rng.choice([1, 1, 2, 5, 12]))]
+            ahead = [rng.randrange(3) for _ in range(rng.choice([0, 0, 1, 3]))]
+            pattern = (row.text + ahead)[-drafter.config.max_pattern :]
+            for sam in drafter.index.generations:
+                want = match_pattern(sam, pattern)
+                assert drafter.match_window(row, sam, ahead) == want, (row.text, ahead)
+                capped += want.length == drafter.config.max_pattern
+        assert len(row.patterns) <= len(drafter.index.generations)
+    assert grew > 50 and capped > 200
+
+
 def test_draft_length_follows_the_match_length():
     """MAX_SPEC = floor(max_spec_factor x p): a one-token pattern drafts one token, a longer one more."""
     drafter = SuffixDrafter(SuffixConfig())
