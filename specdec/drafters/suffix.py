@@ -254,9 +254,11 @@ def back_off(sam: SuffixAutomaton, match: Match) -> Match:
     return Match(state, length)
 
 
-def extend_match(sam: SuffixAutomaton, match: Match, tokens: list[int]) -> Match:
+def extend_match(sam: SuffixAutomaton, match: Match, tokens: list[int], longest: int | None = None) -> Match:
     """The longest suffix of (the match's string + tokens) that occurs in the automaton (matching statistics:
-    follow a transition where there is one, else fall back along suffix links)."""
+    follow a transition where there is one, else fall back along suffix links), no longer than `longest` if
+    given: cut to it after each token, to the state holding that suffix (a state holds the lengths above its
+    suffix link's), so that matching on finds what matching the text's last `longest` tokens afresh would."""
     state, length = match.state, match.length
     for token in tokens:
         while state > 0 and token not in sam.next[state]:
@@ -264,32 +266,16 @@ def extend_match(sam: SuffixAutomaton, match: Match, tokens: list[int]) -> Match
             length = sam.length[state]
         if token in sam.next[state]:
             state, length = sam.next[state][token], length + 1
+        if longest is not None and length > longest:
+            while sam.length[sam.link[state]] >= longest:
+                state = sam.link[state]
+            length = longest
     return Match(state, length)
 
 
 def match_pattern(sam: SuffixAutomaton, text: list[int]) -> Match:
     """The longest suffix of `text` that occurs in the automaton with a continuation."""
     return back_off(sam, extend_match(sam, Match(0, 0), text))
-
-
-def cap_match(sam: SuffixAutomaton, match: Match, longest: int) -> Match:
-    """The match cut to its last `longest` tokens: the state holding that suffix of the match's string (a
-    state holds the lengths above its suffix link's), so that matching on from it finds what matching the
-    text's last `longest` tokens from the root would (both find the longest suffix that occurs, as long as
-    it is no longer than `longest`)."""
-    state, length = match.state, match.length
-    if length <= longest:
-        return match
-    while sam.length[sam.link[state]] >= longest:
-        state = sam.link[state]
-    return Match(state, longest)
-
-
-def extend_window(sam: SuffixAutomaton, match: Match, tokens: list[int], longest: int) -> Match:
-    """extend_match token by token, cut to the last `longest` tokens after each (cap_match)."""
-    for token in tokens:
-        match = cap_match(sam, extend_match(sam, match, [token]), longest)
-    return match
 
 
 @dataclass
@@ -591,8 +577,8 @@ class SuffixDrafter:
             live = self.index.generations  # a dropped generation is not kept alive by a row
             row.patterns = [p for p in row.patterns if p.sam is not sam and any(p.sam is g for g in live)] + [kept]
         start = max(kept.text, len(row.text) - longest)  # after `longest` tokens nothing earlier is in the match
-        kept.match, kept.text = extend_window(sam, kept.match, row.text[start:], longest), len(row.text)
-        return back_off(sam, extend_window(sam, kept.match, list(ahead), longest))
+        kept.match, kept.text = extend_match(sam, kept.match, row.text[start:], longest), len(row.text)
+        return back_off(sam, extend_match(sam, kept.match, list(ahead), longest))
 
     def commit(self, batch, verified: Verified) -> None:
         """Nothing to do on the device: a row's kept tokens reach its index from the host (catch_up)."""
