@@ -5,7 +5,8 @@ one forward of a 30-layer model is hundreds of kernel launches. A static KV cach
 synchronisation inside the forward, attention over a fixed span) lets each forward shape be
 captured once and replayed as one graph launch. One graph per (block length T, tree-mask width W);
 odd shapes run eagerly. Whole-prompt prefills have their own graphs (PrefillGraphs). Outputs are
-static buffers, valid until the next replay.
+static buffers, valid until the next replay. GraphedCalls does the same for any small function a host
+caller launches between a step's graphs.
 """
 
 from __future__ import annotations
@@ -112,6 +113,63 @@ class GraphedModel:
         self.cache.lengths.copy_(lengths)  # capturing ran nothing, but be explicit: the cache is as before
         self.graphs[key] = Captured(graph, tokens, positions, mask, out)
         return self.graphs[key]
+
+
+@dataclass
+class CallGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[Tensor]  # the graph's own buffers for the arguments copied in at each call
+    out: object  # fn's outputs: buffers the next replay (of any graph in the pool) may overwrite
+
+
+class GraphedCalls:
+    """fn(*args) on CUDA as one graph replay: a host-side caller of a few tiny kernels between a step's
+    graphs (a host drafter's device tail, drafters.suffix) pays their launches and torch.compile's guards
+    on every call, which can cost more than the step in flight hides. One graph per signature: the shapes of
+    the tensor arguments, the address of each one read where it lies (a batch's tensors: it must outlive the
+    graph, or at least its storage must), and the values of the other arguments. The tensor arguments at
+    `copied` are new at each call: they are copied into the graph's own buffers before it replays. fn must
+    not write its arguments (it runs three times on the first call of a signature: twice to warm up, once
+    captured). Outputs are valid until the next call: the graphs share one memory pool (a server meets a
+    signature per batch bucket, width and gamma, and a pool of its own would hold a 2 MB segment each)."""
+
+    def __init__(self, fn, copied: tuple[int, ...] = ()) -> None:
+        self.fn, self.copied = fn, copied
+        self.graphs: dict[tuple, CallGraph] = {}
+        self.pool = None  # made at the first capture (a CPU process never needs one)
+
+    def __call__(self, *args):
+        key = tuple(signature(a, i in self.copied) for i, a in enumerate(args))
+        entry = self.graphs.get(key) or self.capture(key, args)
+        for buffer, i in zip(entry.inputs, self.copied):
+            buffer.copy_(args[i], non_blocking=True)
+        entry.graph.replay()
+        return entry.out
+
+    def capture(self, key: tuple, args: tuple) -> CallGraph:
+        args = list(args)
+        inputs = [args[i].clone() for i in self.copied]
+        for buffer, i in zip(inputs, self.copied):
+            args[i] = buffer
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compile)
+            for _ in range(2):
+                self.fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        with capturing(graph, self.pool):
+            out = self.fn(*args)
+        self.graphs[key] = CallGraph(graph, inputs, out)
+        return self.graphs[key]
+
+
+def signature(arg, copied: bool) -> tuple:
+    """What a captured call depends on in one argument (GraphedCalls)."""
+    if isinstance(arg, Tensor):
+        return (None if copied else arg.data_ptr(), tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+    return (type(arg), arg)
 
 
 PREFILL_GRAPH_TOKENS = 16384  # rows x positions of the largest prefill captured (its scratch cache's slots): a GPU
