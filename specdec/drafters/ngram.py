@@ -4,7 +4,10 @@ and propose the tokens that followed it; a match near the end is copied on past 
 repeating pattern is proposed for the full gamma. Deterministic (q is one-hot).
 
 The search compares every earlier position of every row at once (a few elementwise passes over the
-token history): no host work, so the step around it can be captured in a CUDA graph.
+token history): no host work, so the step around it can be captured in a CUDA graph. On CUDA it runs
+compiled (fused.run_compiled): as its own kernels, about fifty of them, it took 0.14 ms of an H200's
+0.8-0.9 ms step (the default model), whatever the gamma, so on prompts it rarely matched (tau 1.13) it
+made decoding 0.93x plain.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import Tensor
 
 from specdec.config import NgramConfig
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Stateless, register
+from specdec.models import fused
 
 
 def latest_match(tokens: Tensor, length: Tensor, n: int) -> Tensor:
@@ -81,8 +85,15 @@ class NgramDrafter(Stateless):
         return DraftShape(width=gamma, depth=gamma)
 
     def propose(self, batch, gamma: int, u: Tensor) -> Proposal:
-        drafts, found = find_continuations(batch.tokens, batch.length, gamma, self.config.max_ngram, self.config.min_ngram)
-        return Proposal(tokens=drafts, num_drafted=torch.where(found, gamma, 0))
+        drafts, num = fused.run_compiled(draft_chains, batch.tokens, batch.length, gamma, self.config.max_ngram,
+                                         self.config.min_ngram)
+        return Proposal(tokens=drafts, num_drafted=num)
+
+
+def draft_chains(tokens: Tensor, length: Tensor, gamma: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, gamma], num_drafted [B]): each row's continuation, gamma tokens where an n-gram matched, else none."""
+    drafts, found = find_continuations(tokens, length, gamma, max_ngram, min_ngram)
+    return drafts, torch.where(found, gamma, 0)
 
 
 def ngram_config(options: DrafterOptions) -> NgramConfig:
