@@ -228,6 +228,32 @@ def test_what_it_does_not_cover_is_refused(folders, change, reason):
     assert cache is None or torch.equal(cache.lengths, lengths)
 
 
+@pytest.mark.parametrize("change", ["norm replaced", "weights repacked"])
+def test_a_change_after_a_first_forward_is_read_by_the_next(folders, change):
+    """The C code's prepared arguments (cpu_layer.prepare) follow a norm module replaced and a Linear
+    repacked after a forward has prepared them: the next forward equals the PyTorch path, not the old
+    weights' output (the old packs are still alive: reading them would not crash)."""
+    import copy
+
+    from specdec.models.linear import use_cpu_kernels
+
+    model = load_model(str(folders["llama"]), dtype="float32", device="cpu")
+    with torch.inference_mode():
+        x = embeddings(model, 1, 3, seed=16)
+        before = run_layers_c(model, x, chain(0, 3), model.new_cache(1, 8))
+        if change == "norm replaced":
+            norm = copy.deepcopy(model.layers[0].input_layernorm)
+            norm.weight.mul_(3)
+            model.layers[0].input_layernorm = norm
+        else:
+            model.layers[0].mlp.down_proj.weight.mul_(3)
+            use_cpu_kernels(model)
+        after = run_layers_c(model, x, chain(0, 3), model.new_cache(1, 8))
+        reference = run_layers_torch(model, x, chain(0, 3), model.new_cache(1, 8))
+    assert_near(after, reference, torch.float32)
+    assert not torch.allclose(after, before, atol=1e-3)
+
+
 @torch.inference_mode()
 def test_a_forward_past_the_cache_fails_loudly_and_writes_nothing(model):
     cache = model.new_cache(2, 8)

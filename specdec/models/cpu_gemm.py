@@ -71,6 +71,19 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # enum in s
 BLOCK_TYPES = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5, "Q4_0-A8": 6, "Q4_1-A8": 7}  # GGUF block formats in uint8 panels (cpu_quant.py), same enum
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the kernels read and write
 STATUS: dict = {"available": False, "isa": None, "int_dot": None, "library": None, "error": None}
+CHANGES = [0]  # how often something the C code's prepared arguments are taken from may have changed (note_change)
+
+
+def note_change(*_) -> None:
+    """A Linear's packs were set (linear.Linear), or a module or a parameter was registered on any module (a
+    layer, a norm or its weight replaced: torch's global registration hooks, below): cpu_layer.prepare
+    rebuilds its arguments at the next forward. Counts every model built too, which costs a rebuild."""
+    CHANGES[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(note_change)
+torch.nn.modules.module.register_module_parameter_registration_hook(note_change)
+
 KERNEL_THREADS = [0]  # the kernels' threads inside `kernels_own_threads`; 0: torch.get_num_threads()
 
 

@@ -18,12 +18,20 @@ from torch import Tensor, nn
 from specdec.models import cpu_gemm
 
 
+PACK_FIELDS = ("packed", "packed_bias", "scales", "qtype")
+
+
 class Linear(nn.Linear):
     packed: Tensor | None = None  # [ceil(out/16), in, 16] panels (float32, bfloat16, or int8 with scales), CPU only
     packed_bias: Tensor | None = None  # [ceil(out/16) * 16] float32, the bias as the kernel reads it
     scales: Tensor | None = None  # [ceil(out/16) * 16] per-output scales of int8 panels (quantize_int8)
     qtype: str | None = None  # GGUF block format of uint8 panels ("Q4_0", "Q4_1", "Q8_0", "Q4_0-A8", "Q4_1-A8"; cpu_quant.py)
     split = None  # a tensor_parallel.Split: this layer is one rank's shard, its products combined across ranks
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in PACK_FIELDS:
+            cpu_gemm.note_change()  # the C code's prepared arguments point at the packs (cpu_layer.prepare)
+        super().__setattr__(name, value)
 
     @property
     def quantized(self) -> bool:
