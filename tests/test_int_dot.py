@@ -26,6 +26,7 @@ from specdec.drafters import DrafterOptions
 from specdec.errors import UserError
 from specdec.models import cpu_gemm, cpu_quant, load_model
 from specdec.models.kernels import draft_kernel_path
+from specdec.models.views import HEAD_FORMATS
 from test_engine import MAX_NEW, PROMPTS
 from test_gguf_native import quantise_native
 
@@ -214,7 +215,9 @@ def test_greedy_speculation_equals_plain_decoding(targets, fmt, gamma, target):
     assert [r.token_ids for r in out.rows] == plain
     assert out.stats.drafted > 0 and out.stats.acceptance_rate > 0.3  # the same model in 4 bits drafts often right
     path = draft_kernel_path(engine.drafter)
-    assert path.name == "cpu-exact" and path.weights == f"{fmt} x 13, the head's top 8 rescored in int8"  # 3 layers x 4 products, the LM head
+    head = HEAD_FORMATS.get(fmt)  # a Q4_1 copy's head is Q4_0
+    layers = f"{fmt} x 12, {head} x 1" if head else f"{fmt} x 13"  # 3 layers x 4 products, the LM head
+    assert path.name == "cpu-exact" and path.weights == f"{layers}, the head's top 8 rescored in int8"
     status = cpu_gemm.build_status()
     assert f"({status['isa']}; int8 dot products: {status['int_dot']})" in path.detail and "one C call" in path.detail
 
@@ -307,4 +310,4 @@ def test_generate_json_reports_the_draft_kernels(capsys, tmp_path):
     assert code == 0
     report = json.loads(out)
     assert report["lossless"] is True
-    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 9, the head's top 8 rescored in int8" and report["kernels"]["weights"] == "float32 x 9"
+    assert report["draft_kernels"]["weights"] == "Q4_1-A8 x 8, Q4_0-A8 x 1, the head's top 8 rescored in int8" and report["kernels"]["weights"] == "float32 x 9"

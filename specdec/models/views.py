@@ -60,6 +60,10 @@ def layer_subset(target: LlamaModel, layers: list[int]) -> LlamaModel:
 
 
 QUANT_FORMATS = ("int8", "Q8_0", "Q4_1", "Q4_0", "Q4_1-A8", "Q4_0-A8")
+# A Q4_1 copy's head is Q4_0 (no per-block minimum: less to read and add for 49,152 rows), its best logits rescored
+# in int8 (RescoredHead) as any 4-bit head's are. On a 2-core EPYC (default model, 10 gsm8k-eval prompts, 128 tokens,
+# Q4_1-A8 layers, alternated) a proposal of 4 tokens took 21.84 ms against 22.60, alpha 0.859 either way.
+HEAD_FORMATS = {"Q4_1": "Q4_0", "Q4_1-A8": "Q4_0-A8"}
 
 
 def check_blocks(target: LlamaModel, fmt: str) -> None:
@@ -140,7 +144,8 @@ def quantized_copy(target: LlamaModel, fmt: str = "int8") -> LlamaModel:
         if isinstance(module, Linear):
             source = target.get_submodule(name)
             module.bias = source.bias
-            quantize_int8(module, source) if fmt == "int8" else quantize_blocks(module, source, fmt)
+            mine = HEAD_FORMATS.get(fmt, fmt) if module is model.lm_head else fmt
+            quantize_int8(module, source) if fmt == "int8" else quantize_blocks(module, source, mine)
     if fmt != "int8" and cpu_quant.FORMATS[fmt].bits == 4:
         model.rescored = RescoredHead.of(target.lm_head)
     model.name = f"{getattr(target, 'name', 'target')}[{fmt}]"
