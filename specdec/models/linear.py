@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from specdec.models import cpu_gemm
 
 
-PACK_FIELDS = ("packed", "packed_bias", "scales", "qtype")
+PACK_FIELDS = ("packed", "packed_bias", "scales", "qtype", "split")  # what cpu_layer.prepare reads of a Linear
 
 
 class Linear(nn.Linear):
