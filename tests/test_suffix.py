@@ -43,7 +43,6 @@ from specdec.drafters.suffix import (
 import specdec.drafters.suffix as suffix_module
 from specdec.config import NgramConfig
 from specdec.drafters.ngram import find_continuations, look_up
-from specdec.graphs import GraphedCalls
 from specdec.errors import UserError
 from specdec.models import load_model
 from specdec.step import drafts_ahead, narrow, narrow_gammas, new_stepper, overlaps
@@ -614,19 +613,19 @@ def count_drafted_ahead(monkeypatch) -> list[int]:
 
 
 def count_looked_up(monkeypatch) -> list[int]:
-    """Wrap look_up_where_missed: per call, the rows whose guess gave nothing and that drafted by lookup. Its
-    count reads the device, which a CUDA graph's capture forbids and its replays would skip: the drafter's
-    graphed device tail runs as its function instead (GraphedCalls; its graph has a test of its own)."""
-    rows, original = [], suffix_module.look_up_where_missed
-    monkeypatch.setattr(GraphedCalls, "__call__", lambda graphed, *args: graphed.fn(*args))
+    """Wrap the host's repeat of the lookup where a guess did not hold (drafted_from's look_up): per call, 1
+    where it found a draft. The device drafted the same (look_up_where_missed; the host and the device lookups
+    agree, test_the_hosts_lookup_equals_the_devices), and counting on the host leaves the device's tail as it
+    runs (a CUDA graph on CUDA: GraphedCalls)."""
+    found, original = [], suffix_module.look_up
 
-    def counted(tokens, length, drafts, num, lookup, max_ngram, min_ngram):
-        looked = original(tokens, length, drafts, num, lookup, max_ngram, min_ngram)
-        rows.append(int(((num == 0) & (looked[1] > 0)).sum()))
-        return looked
+    def counted(text, k, max_ngram, min_ngram):
+        drafted = original(text, k, max_ngram, min_ngram)
+        found.append(int(bool(drafted)))
+        return drafted
 
-    monkeypatch.setattr(suffix_module, "look_up_where_missed", counted)
-    return rows
+    monkeypatch.setattr(suffix_module, "look_up", counted)
+    return found
 
 
 @pytest.mark.parametrize("gamma", [4, 16])
