@@ -62,8 +62,10 @@ wrong guess costs a step its suffix draft, not its whole draft; the host repeats
 tokens when it next guesses (`drafted_from`). Only what the device drafts is verified, so a wrong guess
 costs acceptance, never exactness. Where no step is in flight (a CPU; rows that just joined) the
 guess starts at the row's end and the device drafts its first gamma tokens, as before. The step knows
-which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). A tree is proposed
-from the rows' tokens as read: its steps read the step in flight first.
+which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). The device's part
+(aligning, looking up, the clamp to the step's width: `draft_from_packed`) replays as one CUDA graph on a
+graphed batch (graphs.GraphedCalls), so that the host's proposal stays inside the step in flight. A tree is
+proposed from the rows' tokens as read: its steps read the step in flight first.
 
 Drafting ahead is the default (`ahead=0` reads the step in flight first): on an H200 it put `suffix` ahead
 of `ngram` on gsm8k-eval and mixed prompts, where reading first left it behind; on the repeated-request
