@@ -27,6 +27,18 @@ from specdec.models.llama import ModelOutput, aux_args
 
 
 @contextmanager
+def warming_up() -> Iterator[None]:
+    """Run the block (a warm-up before a capture: compile kernels, pick algorithms) on a side stream, as
+    torch's CUDA-graph notes ask: it starts after the current stream's queued work, and the current
+    stream waits for it before the capture begins."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
     """Capture into `graph` (sharing `pool`) on this thread alone, with the garbage collector off.
     - The default mode ("global") lets any thread's synchronising call invalidate the capture, and in the
@@ -100,13 +112,10 @@ class GraphedModel:
         tokens, positions = tokens.clone(), positions.clone()
         mask = None if mask is None else mask.clone()
         lengths = self.cache.lengths.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with fusing(), torch.cuda.stream(side):  # warm up (compile, pick algorithms), then undo its cache writes
+        with fusing(), warming_up():  # then undo its cache writes
             for _ in range(2):
                 self.model(tokens, positions, self.cache, mask)
                 self.cache.lengths.copy_(lengths)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with fusing(), capturing(graph, self.pool):
             out = self.model(tokens, positions, self.cache, mask)
@@ -151,12 +160,9 @@ class GraphedCalls:
         inputs = [args[i].clone() for i in self.copied]
         for buffer, i in zip(inputs, self.copied):
             args[i] = buffer
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (compile)
+        with warming_up():
             for _ in range(2):
                 self.fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         with capturing(graph, self.pool):
@@ -259,13 +265,10 @@ class PrefillGraphs:
         tokens = torch.zeros(R, S, dtype=torch.long, device=slots.k.device)
         positions = torch.arange(S, device=slots.k.device).expand(R, S).contiguous()
         last = torch.zeros(R, dtype=torch.long, device=slots.k.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), counter_lane(PREFILL_LANE):  # warm up (compile the kernels for this shape)
+        with warming_up(), counter_lane(PREFILL_LANE):
             for _ in range(2):
                 scratch.lengths.zero_()
                 self.model(tokens, positions, scratch, logits_at=last, **self.aux_args)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         scratch.lengths.zero_()
         with capturing(graph, self.pool), counter_lane(PREFILL_LANE):

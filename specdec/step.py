@@ -43,7 +43,7 @@ from specdec.batch import (FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, ap
                            first_token_outcome, top_k_bound)
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
-from specdec.graphs import PREFILL_LANE, PrefillGraphs, capturing, prefill_graph_tokens
+from specdec.graphs import PREFILL_LANE, PrefillGraphs, capturing, prefill_graph_tokens, warming_up
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
 from specdec.models.kernels import counter_lane, kernel_path
@@ -780,12 +780,9 @@ class Stepper:
         first, sampled = torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
         args = (self.batch, self.cache, self.drafter, index, first, sampled, prefill.scratch.k, prefill.scratch.v,
                 drafter_features(prefill.out), span)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up (compile the kernels for this shape)
+        with warming_up():
             for _ in range(2):
                 join_rows(*args)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with capturing(graph, self.join_pool):
             join_rows(*args)
@@ -817,13 +814,10 @@ class Stepper:
         active, bound = batch.active.clone(), batch.sampling.max_top_k
         batch.active.zero_()
         batch.sampling.max_top_k = top_k  # the promise the graphs bake in (RowSampling.max_top_k)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with fused.fusing(), torch.cuda.stream(side):
+        with fused.fusing(), warming_up():
             for _ in range(2):
                 self.run_phases(gamma, shape, any_sampled, Stopwatch(self.device))
             static = clone_proposal(propose(self.drafter, batch, gamma, shape, any_sampled)) if host and gamma else None
-        torch.cuda.current_stream().wait_stream(side)
         graphs = [torch.cuda.CUDAGraph() for _ in range(3)]
         with fused.fusing(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
