@@ -4,6 +4,7 @@ greedy outputs equal to plain decoding (for specdec and for transformers), and b
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -72,6 +73,18 @@ def test_summaries_are_measured(results):
     assert by_name["specdec/none"]["speedup_vs_plain"]["median"] == pytest.approx(1.0)
     assert by_name["hf"]["speedup_vs_hf"]["median"] == pytest.approx(1.0)
     assert set(results["calibration"]["verify_ratio"]) == {"1", "2", "3", "4"}
+
+
+def test_c_counts_in_plains_own_steps_of_the_same_run(results):
+    """t1 is plain's target time per decode step in this run (beside the drafts), not the forward timed after it."""
+    plain = [r["stats"] for r in results["runs"] if r["method"] == "specdec/none"]
+    cal = results["calibration"]
+    assert cal["t1_from"] == "plain runs"
+    assert cal["t1_s"] == pytest.approx(statistics.median(s["target_s"] / s["decode_steps"] for s in plain))
+    spec = next(m for m in results["methods"] if m["name"] == "specdec/draft_model/3")
+    stats = [r["stats"] for r in results["runs"] if r["method"] == spec["name"]]
+    draft_s, steps = sum(s["draft_s"] for s in stats), sum(s["decode_steps"] for s in stats)
+    assert spec["cost_coefficient"] == pytest.approx(draft_s / steps / 3 / cal["t1_s"])
 
 
 def test_missing_llama_cpp_is_a_note(results):

@@ -292,7 +292,8 @@ def render_markdown(results: dict, plots: list[Path]) -> str:
         f"Python {env['python']}, {env['platform']}.",
         "Methods ran interleaved prompt by prompt after a warm-up. Speeds are medians over prompts (p25-p75 shown); "
         "speedups are medians of per-prompt ratios. c and r were measured in this run "
-        f"(r(k) at a context of {cal['context_len']} tokens); speedups marked 'est.' are estimates, not measurements.",
+        f"(r(k) at a context of {cal['context_len']} tokens; c in units of t1 = {cal['t1_s'] * 1e3:.2f} ms, "
+        f"from the {cal['t1_from']}); speedups marked 'est.' are estimates, not measurements.",
         "## Results", markdown_table(results),
     ]
     cats = category_table(results)

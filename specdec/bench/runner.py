@@ -353,12 +353,26 @@ def calibrate(runner: Runner, prompts: list[list[int]], records: list[RunRecord]
         "context_len": len(context),
         "forward_s": {str(k): t for k, t in times.items()},
         "verify_ratio": {str(k): r for k, r in verify_ratios(times).items()},
+        **one_token_forward(records, times[1]),
     }
     if runner.device.type == "cuda":  # the floor: weights read per forward / memory bandwidth
         weight_bytes, bandwidth = weight_bytes_per_forward(runner.target), copy_bandwidth(runner.device)
         calibration.update(weight_bytes=weight_bytes, copy_bandwidth_gbs=bandwidth / 1e9,
                            floor_forward_s=weight_bytes / bandwidth, floor_tokens_per_s=bandwidth / weight_bytes)
     return calibration
+
+
+def one_token_forward(records: list[RunRecord], calibrated_s: float) -> dict:
+    """t1, the target's one-token forward that c is counted in: the median over plain's runs of their target
+    time per decode step, measured beside the methods' draft times, prompt by prompt in the same run. The
+    calibrated forward (measure_forward_times) is timed once, after the run, at one context: on a 2-core VM
+    whose speed drifts within a run it moved c by more than the draft's own changes (docs/design.md,
+    "Integer dot products for a quantized draft"). It stays t1 where plain did not run (openai peers only)."""
+    steps = [r.stats["target_s"] / r.stats["decode_steps"] for r in records
+             if r.method == PLAIN and r.stats and r.stats["decode_steps"]]
+    if not steps:
+        return {"t1_s": calibrated_s, "t1_from": "calibrated forward"}
+    return {"t1_s": statistics.median(steps), "t1_from": "plain runs"}
 
 
 def quartiles(values: list[float]) -> dict:
@@ -449,7 +463,7 @@ def acceptance_summary(method: Method, stats: list[dict], calibration: dict) -> 
     accepted = sum(s["accepted"] for s in stats)
     decode_steps = sum(s["decode_steps"] for s in stats)  # the prefill drafts nothing
     ratios = {int(k): v for k, v in calibration["verify_ratio"].items()}
-    t1 = calibration["forward_s"]["1"]
+    t1 = calibration["t1_s"]
     alpha = accepted / drafted if drafted else None
     tau = mean_accepted_length(sum(s["decode_emitted"] for s in stats), decode_steps)
     drafted_per_step = drafted / decode_steps if decode_steps else 0.0
