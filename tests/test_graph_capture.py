@@ -101,7 +101,7 @@ def test_a_graphed_call_reads_its_held_tensors_in_place_and_copies_the_others_in
 def test_suffix_drafts_ahead_alike_from_its_graph_and_eagerly_on_the_host():
     """drafters.suffix.draft_from_packed as the suffix drafter replays it on a CUDA graph's batch (one graph per
     width and gamma), against the same function run eagerly on the CPU: guesses that hold, partly hold or not,
-    rows gaining tokens between calls (a step in flight's), limits below the draft."""
+    rows gaining tokens between calls (a step in flight's), limits below the draft, short drafts filled by lookup or not."""
     import random
 
     from specdec.drafters.suffix import SuffixConfig, SuffixDrafter, draft_from_packed
@@ -126,7 +126,7 @@ def test_suffix_drafts_ahead_alike_from_its_graph_and_eagerly_on_the_host():
             packed[b, G:] = torch.tensor([len(text), len(guess), rng.randrange(1, k + 1)])
         tokens.copy_(torch.tensor(rows))  # in place: the batch's tensors keep their addresses
         length.copy_(torch.tensor(lengths))
-        args = (k, min(k, 8), 3, 1)
+        args = (k, min(k, 8), call % 2, 3, 1)  # fill on alternate calls: a graph per width, gamma and fill
         drafts, num = graphed(tokens, length, packed.to(DEVICE), *args)
         expected_drafts, expected_num = draft_from_packed(tokens.cpu(), length.cpu(), packed, *args)
         assert torch.equal(num.cpu(), expected_num), call
@@ -134,4 +134,4 @@ def test_suffix_drafts_ahead_alike_from_its_graph_and_eagerly_on_the_host():
             n = int(expected_num[b])
             assert drafts[b, :n].cpu().tolist() == expected_drafts[b, :n].tolist(), (call, b)
             drafted += n
-    assert len(graphed.graphs) == 3 and drafted > 100, (len(graphed.graphs), drafted)
+    assert len(graphed.graphs) == 6 and drafted > 100, (len(graphed.graphs), drafted)

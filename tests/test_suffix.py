@@ -36,7 +36,7 @@ from specdec.drafters.suffix import (
     draft_ahead,
     drafted_from,
     grow_draft,
-    look_up_where_missed,
+    fill_by_lookup_on_device,
     match_own_text,
     match_pattern,
 )
@@ -145,11 +145,12 @@ def test_a_match_extends_past_the_text_through_tokens_not_in_it():
     assert match_own_text(sam, [7, 8, 5]) == Match(state_of(sam, [5, 6, 7, 8, 5]), 5)
 
 
-@pytest.mark.parametrize("lookup", [0, 3])
-def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
+@pytest.mark.parametrize("lookup, fill", [(0, 1), (3, 0), (3, 1)])
+def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup, fill):
     """align_guesses (the device, with a step's kept tokens already appended) and drafted_from (the host,
     later) agree on every case: the step kept the guess's first tokens, fewer, others, or none yet; and with
-    the lookup where a guess did not hold (look_up_where_missed), so do the n-gram drafts that replace it."""
+    the lookup (fill_by_lookup_on_device), so do the n-gram drafts that replace an empty draft (fill = 0) or
+    fill a short one (fill = 1, where the lookup's continuation begins with it, and only there)."""
     rng = random.Random(0)
     S, G, k = 40, 9, 4
     cases = []
@@ -168,18 +169,19 @@ def test_a_guess_is_aligned_alike_on_the_host_and_the_device(lookup):
     anchor = torch.tensor([len(text) for text, _, _, _ in cases])
     size = torch.tensor([len(guess) for _, guess, _, _ in cases])
     drafts, num = align_guesses(tokens, length, packed, anchor, size, k)
-    if lookup:
-        aligned = num.clone()
-        drafts, num = look_up_where_missed(tokens, length, drafts, num, lookup, 3, 1)
-    hits = looked_up = 0
+    aligned = num.clone()
+    drafts, num = fill_by_lookup_on_device(tokens, length, drafts, num, lookup, fill, 3, 1)
+    hits = replaced = filled = 0
     for b, (text, guess, now, limit) in enumerate(cases):
         limit = max(limit, lookup)  # drafting ahead, a step verifies at least the lookup's tokens
-        expected = drafted_from(Guess(guess, len(text), limit, serial=1, lookup=lookup), now, NgramConfig())
+        expected = drafted_from(Guess(guess, len(text), limit, serial=1, lookup=lookup, fill=fill), now, NgramConfig())
         n = min(int(num[b]), limit)
         assert drafts[b, :n].tolist() == expected, (text, guess, now, limit)
         hits += bool(expected)
-        looked_up += lookup and not aligned[b] and bool(expected)
-    assert 20 < hits < 200 and (looked_up > 20 if lookup else hits < 180), (hits, looked_up)
+        replaced += lookup and not aligned[b] and bool(expected)
+        filled += 0 < int(aligned[b]) < int(num[b])
+    assert 20 < hits < 200 and (replaced > 20 if lookup else hits < 180), (hits, replaced)
+    assert (filled > 0) == bool(lookup and fill), filled  # short drafts filled, and only where asked
 
 
 def test_drafting_ahead_compiles_once_for_every_guess_width():
@@ -195,7 +197,7 @@ def test_drafting_ahead_compiles_once_for_every_guess_width():
             for G in (2 * k + 1, 2 * k + 3, 3 * k + 2):
                 tokens, packed = torch.randint(0, 5, (B, 64)), torch.randint(0, 5, (B, G + 2))
                 packed[:, G], packed[:, G + 1] = 30, k
-                compiled(tokens, torch.full((B,), 33), packed[:, :G], packed[:, G], packed[:, G + 1], k, min(k, 8), 3, 1)
+                compiled(tokens, torch.full((B,), 33), packed[:, :G], packed[:, G], packed[:, G + 1], k, min(k, 8), 1, 3, 1)
     assert counter.frame_count <= 4, counter.frame_count
 
 
@@ -613,8 +615,8 @@ def count_drafted_ahead(monkeypatch) -> list[int]:
 
 
 def count_looked_up(monkeypatch) -> list[int]:
-    """Wrap the host's repeat of the lookup where a guess did not hold (drafted_from's look_up): per call, 1
-    where it found a draft. The device drafted the same (look_up_where_missed; the host and the device lookups
+    """Wrap the host's n-gram lookup (fill_by_lookup's look_up, also drafted_from's repeat of the device's): per call, 1
+    where it found a draft. The device drafted the same (fill_by_lookup_on_device; the host and the device lookups
     agree, test_the_hosts_lookup_equals_the_devices), and counting on the host leaves the device's tail as it
     runs (a CUDA graph on CUDA: GraphedCalls)."""
     found, original = [], suffix_module.look_up
@@ -651,7 +653,7 @@ def test_drafting_ahead_with_a_step_in_flight_equals_plain(flat, monkeypatch, ga
         out = engine.generate(PROMPTS, config)
         assert [r.token_ids for r in out.rows] == expected
     assert out.stats.acceptance_rate > 0.5 and max(ahead) >= min(gamma, 8), (out.stats.acceptance_rate, ahead)
-    assert sum(looked_up) > 0  # some guesses did not hold: those rows drafted n-grams, and stayed lossless
+    assert sum(looked_up) > 0  # some drafts were replaced or filled by n-gram lookup (fill_by_lookup), and stayed lossless
 
     ahead.clear()
     scheduler = Scheduler(target, build_drafter("suffix", target, options), Codec(), SpecPolicy("on", gamma=gamma),

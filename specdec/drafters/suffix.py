@@ -56,24 +56,30 @@ anchored where the host's text ends: the draft of the step in flight (which the 
 `drafted_from`), then the continuation of that text, the step's own next token first, from the same
 indexes. On the device, `align_guesses` compares the tokens the step in flight really kept with the
 guess's first tokens and drafts what follows them. Where they differ (the step rejected a draft, or its
-next token was not the guessed one) the row drafts by n-gram lookup in its own tokens instead
-(`look_up_where_missed`: `ngram`'s search, on the device, which holds what the step in flight kept), so a
-wrong guess costs a step its suffix draft, not its whole draft; the host repeats that lookup on the same
-tokens when it next guesses (`drafted_from`). Only what the device drafts is verified, so a wrong guess
-costs acceptance, never exactness. Where no step is in flight (a CPU; rows that just joined) the
-guess starts at the row's end and the device drafts its first gamma tokens, as before. The step knows
-which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). The device's part
-(aligning, looking up, the clamp to the step's width: `draft_from_packed`) replays as one CUDA graph on a
-graphed batch (graphs.GraphedCalls), so that the host's proposal stays inside the step in flight. A tree is
-proposed from the rows' tokens as read: its steps read the step in flight first.
+next token was not the guessed one) the row has no suffix draft, and the lookup below drafts instead, on
+the device, which holds what the step in flight kept (`fill_by_lookup_on_device`), so a wrong guess costs
+a step its suffix draft, not its whole draft; the host repeats that lookup on the same tokens when it next
+guesses (`drafted_from`). Only what the device drafts is verified, so a wrong guess costs acceptance, never
+exactness. Where no step is in flight (a CPU; rows that just joined) the guess starts at the row's end. The
+step knows which of the rows' steps are in flight by their launch serials (`RowBatch.in_flight`). The
+device's part (aligning, looking up, the clamp to the step's width: `draft_from_packed`) replays as one
+CUDA graph on a graphed batch (graphs.GraphedCalls), so that the host's proposal stays inside the step in
+flight. A tree is proposed from the rows' tokens as read: its steps read the step in flight first.
 
 Drafting ahead is the default (`ahead=0` reads the step in flight first): on an H200 it put `suffix` ahead
 of `ngram` on gsm8k-eval and mixed prompts, where reading first left it behind; on the repeated-request
-workload through a one-row server reading first served more (docs/design.md, "Drafting ahead"). Where a
-guess did not hold, the lookup drafts at most `lookup` tokens (8), so such a step verifies no wider.
+workload through a one-row server reading first served more (docs/design.md, "Drafting ahead").
+
+Filling by lookup (chains). A p-token pattern drafts at most floor(max_spec_factor x p) tokens, so where a
+row's text repeats itself after a short pattern (translation, RAG), `suffix` alone drafts less than
+`ngram`, whose lookup drafts gamma tokens after a 1- to 3-token match. A row whose draft is shorter than
+`lookup` tokens (8, at most gamma) takes the continuation of its longest matching n-gram in its own text
+(`ngram`'s search) instead, where that continuation begins with the draft (`fill_by_lookup`; on the host
+where nothing is in flight, on the device after aligning where a step is). `fill=0` looks up only where a
+row has no draft. Drafted tokens carry no q, so what is verified changes acceptance, never the output.
 
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
-max_children, ahead, lookup; see SuffixConfig.
+max_children, ahead, lookup, fill; see SuffixConfig.
 """
 
 from __future__ import annotations
@@ -106,7 +112,8 @@ class SuffixConfig:
     tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
     max_children: int = 3  # a tree's fan-out bound (a chain has 1)
     ahead: int = 1  # draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); 0: read the step first
-    lookup: int = 8  # drafting ahead, tokens a row drafts by n-gram lookup where its guess did not hold (0: none)
+    lookup: int = 8  # tokens a row drafts by n-gram lookup where its own draft is shorter ("Filling by lookup"; 0: none)
+    fill: int = 1  # 1: look up where a row's draft is shorter than `lookup`; 0: only where it has none
 
     def __post_init__(self) -> None:
         checks = [("max_tokens", self.max_tokens >= 2, "an integer >= 2"),
@@ -116,7 +123,8 @@ class SuffixConfig:
                   ("tree_nodes", self.tree_nodes >= 0, "an integer >= 0 (0: a chain)"),
                   ("max_children", self.max_children >= 1, "an integer >= 1"),
                   ("ahead", self.ahead in (0, 1), "0 or 1"),
-                  ("lookup", self.lookup >= 0, "an integer >= 0 (0: no lookup)")]
+                  ("lookup", self.lookup >= 0, "an integer >= 0 (0: no lookup)"),
+                  ("fill", self.fill in (0, 1), "0 or 1")]
         for name, ok, expected in checks:
             if not ok:
                 raise UserError(f"suffix drafter: {name} must be {expected}, got {getattr(self, name)!r}")
@@ -371,7 +379,8 @@ class Guess:
     anchor: int  # the row's length on the host when guessed
     limit: int  # the most tokens its step could draft (min(gamma, the proposal's longest))
     serial: int  # its step's launch (RowBatch.serial)
-    lookup: int = 0  # where the guess did not hold, its step drafted this many tokens by n-gram lookup (0: none)
+    lookup: int = 0  # its step's lookup (fill_by_lookup; 0: none)
+    fill: int = 1  # SuffixConfig.fill
 
 
 @dataclass
@@ -385,13 +394,23 @@ class RowState:
 
 def drafted_from(guess: Guess, text: list[int], ngram: NgramConfig) -> list[int]:
     """What a step drafted from `guess` for a row holding `text` when it ran: align_guesses, then
-    look_up_where_missed, on the host (the same lookup on the same tokens gives the same draft)."""
+    fill_by_lookup_on_device, on the host (the same lookup on the same tokens gives the same draft)."""
     off = len(text) - guess.anchor
     held = off <= len(guess.tokens) and text[guess.anchor :] == guess.tokens[:off]
     drafted = guess.tokens[off : off + guess.limit] if held else []
-    if drafted or not guess.lookup:
-        return drafted
-    return look_up(text, guess.lookup, ngram.max_ngram, ngram.min_ngram)
+    return fill_by_lookup(drafted, text, guess.lookup, guess.fill, ngram)
+
+
+def fill_by_lookup(draft: list[int], text: list[int], lookup: int, fill: int, ngram: NgramConfig) -> list[int]:
+    """The row's draft, or, where it is shorter than `lookup` tokens (with fill = 0: where it is empty), the
+    continuation of the row's longest matching n-gram in its own text (`ngram`'s lookup, `lookup` tokens),
+    where that continuation begins with the draft. A p-token pattern drafts at most floor(alpha x p)
+    tokens, so where a row's text repeats itself from a short pattern (translation, RAG) `suffix` alone
+    drafts less than `ngram` does (docs/design.md, "Filling by lookup")."""
+    if len(draft) >= lookup or (draft and not fill):
+        return draft
+    looked = look_up(text, lookup, ngram.max_ngram, ngram.min_ngram)
+    return looked if looked and looked[: len(draft)] == draft else draft
 
 
 def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -408,28 +427,31 @@ def align_guesses(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor,
     return drafts, torch.where(agree, (size - off).clamp(0, k), 0)
 
 
-def look_up_where_missed(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, lookup: int, max_ngram: int,
-                         min_ngram: int) -> tuple[Tensor, Tensor]:
-    """(drafts [B, k], num_drafted [B]): where a row's guess gave nothing (it did not hold: the step in flight
-    rejected a draft or its next token was another), the first `lookup` tokens (<= k) of the continuation of
-    the row's longest matching n-gram in its own tokens, found on the device (`ngram`'s lookup), which sees
-    what the step in flight kept."""
-    looked, found = find_continuations(tokens, length, drafts.shape[1], max_ngram, min_ngram)  # [B, k], [B]
-    missed = (num == 0) & found
-    return torch.where(missed[:, None], looked, drafts), torch.where(missed, lookup, num)
+def fill_by_lookup_on_device(tokens: Tensor, length: Tensor, drafts: Tensor, num: Tensor, lookup: int, fill: int,
+                             max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """fill_by_lookup for every row on the device, which holds what the step in flight kept (a guess that did
+    not hold leaves its row no draft): (drafts [B, k], num_drafted [B]), the first `lookup` tokens (<= k) of
+    the continuation of the row's longest matching n-gram where the row's draft (drafts [B, k], num [B]) is
+    shorter and that continuation begins with it."""
+    k = drafts.shape[1]
+    looked, found = find_continuations(tokens, length, k, max_ngram, min_ngram)  # [B, k], [B]
+    agree = ((looked == drafts) | (torch.arange(k, device=drafts.device) >= num[:, None])).all(1)  # [B]
+    short = num < lookup if fill else num == 0
+    take = short & found & agree & (lookup > 0)
+    return torch.where(take[:, None], looked, drafts), torch.where(take, lookup, num)
 
 
 def draft_ahead(tokens: Tensor, length: Tensor, guess: Tensor, anchor: Tensor, size: Tensor, k: int, lookup: int,
-                max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
-    """(drafts [B, k], num_drafted [B]): align_guesses, then look_up_where_missed. On CUDA one compiled function
+                fill: int, max_ngram: int, min_ngram: int) -> tuple[Tensor, Tensor]:
+    """(drafts [B, k], num_drafted [B]): align_guesses, then fill_by_lookup_on_device. On CUDA one compiled function
     (fused.run_compiled): as separate kernels, launched from the host while the step in flight runs, its few
     dozen tiny operations cost more than the step. The guesses come as views of one packed copy: sliced
     inside, the packed width (which follows the guesses' lengths) would be compiled anew for every value."""
     drafts, num = align_guesses(tokens, length, guess, anchor, size, k)
-    return look_up_where_missed(tokens, length, drafts, num, lookup, max_ngram, min_ngram)
+    return fill_by_lookup_on_device(tokens, length, drafts, num, lookup, fill, max_ngram, min_ngram)
 
 
-def draft_from_packed(tokens: Tensor, length: Tensor, packed: Tensor, k: int, lookup: int, max_ngram: int,
+def draft_from_packed(tokens: Tensor, length: Tensor, packed: Tensor, k: int, lookup: int, fill: int, max_ngram: int,
                       min_ngram: int) -> tuple[Tensor, Tensor]:
     """draft_ahead over one packed copy [B, G + 3] of each row's guess (G tokens), anchor, size and limit (the
     most its step verifies): (drafts [B, k], num_drafted [B], at most the limit). On a CUDA graph's batch it
@@ -437,7 +459,7 @@ def draft_from_packed(tokens: Tensor, length: Tensor, packed: Tensor, k: int, lo
     took 0.22 ms of the host's 0.40 ms proposal on an H200, where a step in flight hides about 0.5 ms."""
     G = packed.shape[1] - 3
     drafts, num = fused.run_compiled(draft_ahead, tokens, length, packed[:, :G], packed[:, G], packed[:, G + 1], k, lookup,
-                                     max_ngram, min_ngram)
+                                     fill, max_ngram, min_ngram)
     return drafts, torch.minimum(num, packed[:, G + 2])
 
 
@@ -477,7 +499,7 @@ class SuffixDrafter:
 
     def __init__(self, config: SuffixConfig, ngram: NgramConfig = NgramConfig()) -> None:
         self.config = config
-        self.ngram = ngram  # the lookup where a guess drafted ahead did not hold (look_up_where_missed)
+        self.ngram = ngram  # the lookup where a row's draft is short (fill_by_lookup)
         self.index = GlobalIndex(config.max_tokens)
         self.held: list[Held] = []  # rows joined, oldest first, not yet in the global index
         self.graphed = GraphedCalls(draft_from_packed, copied=(2,))  # drafting ahead on a CUDA graph's batch
@@ -527,21 +549,23 @@ class SuffixDrafter:
         """Each row's chain, drafted ahead where the row's last proposal went to a step still in flight: that
         step's draft (drafted_from) is taken as accepted, and the chain guesses on from it, the step's own next
         token first; the device keeps what follows the tokens the step really kept, where they agree with the
-        guess (align_guesses), and where they do not, drafts `lookup` tokens by n-gram lookup instead
-        (look_up_where_missed). Where nothing is in flight (a CPU; a GPU step that read its rows first) the chain
-        starts at the row's end, as the host holds it."""
+        guess (align_guesses), then fills a short draft by n-gram lookup (fill_by_lookup_on_device). Where
+        nothing is in flight (a CPU; a GPU step that read its rows first) the chain starts at the row's end, as
+        the host holds it, and the host fills it (fill_by_lookup)."""
+        c, ahead = self.config, bool(batch.in_flight)
+        lookup = min(gamma, c.lookup)
         guesses, longest = {}, 0
         for slot, row in rows:
             in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
             drafted = drafted_from(row.guess, row.text, self.ngram) if row.guess and row.guess.serial == in_flight else []
             depth = gamma + 1 if in_flight else gamma  # in flight: that step's next token, then gamma
-            guesses[slot] = guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
+            guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
+            if not in_flight:
+                guess = fill_by_lookup(guess, row.text, lookup, c.fill, self.ngram)
+            guesses[slot] = guess
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
-        # ahead, a guess is what the step in flight drafted (at its own gamma), its next token, then gamma, and a
-        # row whose guess does not hold drafts `lookup` tokens by n-gram lookup on the device
-        ahead = bool(batch.in_flight)
-        lookup = min(gamma, self.config.lookup) if ahead else 0
-        longest = max(longest, lookup)
+        if ahead:  # a guess is what the step in flight drafted (at its own gamma), its next token, then gamma, and the
+            longest = max(longest, lookup)  # device may fill any row's draft to `lookup` tokens
         # the longest guess (reading first: at most gamma), to a power of two: few shapes for the graphs to capture
         G = next_power_of_2(max([gamma, *map(len, guesses.values())]))
         packed = {}  # per slot: guess (padded to G), anchor, size, limit
@@ -549,12 +573,13 @@ class SuffixDrafter:
             guess = guesses[slot]
             packed[slot] = guess + [0] * (G - len(guess)) + [len(row.text), len(guess), longest]
             if self.drafts_ahead:  # what the next proposal aligns with, should this step still be in flight then
-                row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial, lookup)
+                row.guess = Guess(guess, len(row.text), min(gamma, longest), batch.serial, lookup if ahead else 0, c.fill)
         packed = to_device(pack_rows(packed, batch.capacity, G + 3), batch.device)  # [B, G + 3], one copy
-        if not ahead:  # every chain starts at its row's end (read first): nothing to align on the device
+        if not ahead:  # every chain starts at its row's end (read first), filled: nothing to do on the device
             return Proposal(tokens=packed[:, :gamma], num_drafted=packed[:, G + 1].clamp(max=longest), longest=longest)
         run = self.graphed if batch.static and batch.tokens.is_cuda else draft_from_packed
-        drafts, num = run(batch.tokens, batch.length, packed, gamma, lookup, self.ngram.max_ngram, self.ngram.min_ngram)
+        drafts, num = run(batch.tokens, batch.length, packed, gamma, lookup, c.fill, self.ngram.max_ngram,
+                          self.ngram.min_ngram)
         return Proposal(tokens=drafts, num_drafted=num, longest=longest)
 
     def propose_tree(self, batch, shape: DraftShape, rows: list[tuple[int, RowState]]) -> Proposal:
