@@ -76,17 +76,13 @@ def suffix_option_names() -> tuple[str, ...]:
 
 
 def suffix_options(text: str) -> dict[str, int | float]:
-    """KEY=VALUE,... of the suffix drafter's options (SuffixConfig checks the values when it is built)."""
-    options, names = {}, suffix_option_names()
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in names:
-            raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY one of {', '.join(names)}, got {item!r}")
-        try:
-            options[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{key.strip()} must be a number, got {value!r}") from e
-    return options
+    """KEY=VALUE,... of the suffix drafter's options (drafters.suffix.parse_options)."""
+    from specdec.drafters.suffix import parse_options
+
+    try:
+        return parse_options(text.split(","))
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def gamma_arg(text: str) -> int | str:
@@ -201,7 +197,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--task", default="gsm8k-eval", help="gsm8k-eval, gsm8k-train, mixed, heldout, general, or a .jsonl / .txt file")
     b.add_argument("--limit", type=int, default=20, help="first N prompts of the task set")
     add_model_args(b)
-    b.add_argument("--drafters", type=csv(str), default=("ngram",), help=f"comma-separated: {DRAFTER_HELP}")
+    b.add_argument("--drafters", type=csv(str), default=("ngram",),
+                   help=f"comma-separated: {DRAFTER_HELP}; suffix:KEY=VALUE:... runs suffix with options of its own "
+                        "beside the others (e.g. suffix,suffix:fill=0)")
     add_drafter_options(b)
     b.add_argument("--gammas", type=csv(int), default=(1, 2, 3, 4, 6, 8), help="comma-separated gammas")
     b.add_argument("--pld-gammas", type=csv(int), default=None, help="prompt-lookup sizes for the hf-pld peer (default: --gammas)")
@@ -563,6 +561,7 @@ def drafter_extra(args: argparse.Namespace) -> dict:
     if extra["lookup"] is not None and extra["lookup"] < 0:
         raise UserError(f"--tree-lookup must be >= 0, got {extra['lookup']}")
     drafters = args.drafters if "drafters" in vars(args) else [args.drafter]  # bench takes several; advise None: all
+    drafters = drafters and [d.partition(":")[0] for d in drafters]  # bench's variants: suffix:KEY=VALUE
     for flag, owner, given in (("--quant-format", "quantized", args.quant_format), ("--suffix-options", "suffix", args.suffix_options)):
         if given is not None and drafters is not None and owner not in drafters:
             raise UserError(f"{flag} is an option of the {owner} drafter, not of {', '.join(drafters) or 'no drafter'}")

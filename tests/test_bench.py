@@ -49,6 +49,26 @@ def test_each_repeat_of_a_drafter_that_learns_across_requests_starts_alike(setup
     assert passes[0] == passes[1] and len(passes[0]) == 3
 
 
+def test_a_drafter_variant_runs_beside_the_drafter(setup):
+    """`--drafters suffix,suffix:fill=0:lookup=0`: two settings of one drafter in one interleaved run, each with
+    an engine of its own built with its options over the run's (--suffix-options), both lossless."""
+    from specdec.bench.runner import Runner, plan_methods
+
+    target, _, prompts = setup
+    config = BenchConfig(task=str(prompts), limit=None, model=str(target), drafters=("suffix", "suffix:fill=0:lookup=0"),
+                         gammas=(4,), peers=(), max_new_tokens=12, device="cpu", chat=False,
+                         drafter_extra={"max_spec_factor": 2.0})
+    methods, _ = plan_methods(config, False)
+    assert [m.name for m in methods] == ["specdec/none", "specdec/suffix/4", "specdec/suffix:fill=0:lookup=0/4"]
+    configs = {name: engine.drafter.config for name, engine in Runner(config, methods).engines.items() if name != "specdec/none"}
+    assert (configs["specdec/suffix/4"].fill, configs["specdec/suffix/4"].lookup) == (1, 8)
+    assert (configs["specdec/suffix:fill=0:lookup=0/4"].fill, configs["specdec/suffix:fill=0:lookup=0/4"].lookup) == (0, 0)
+    assert {c.max_spec_factor for c in configs.values()} == {2.0}
+    results = run_bench(config, progress=False)
+    assert [m["lossless"] for m in results["methods"][1:]] == [True, True]
+    assert results["methods"][2]["options"] == (("fill", 0), ("lookup", 0))  # results.json: [["fill", 0], ["lookup", 0]]
+
+
 def test_every_method_ran_on_every_prompt(results):
     names = [m["name"] for m in results["methods"]]
     assert names[0] == "specdec/none"
@@ -114,6 +134,9 @@ def test_outputs_written(results, tmp_path):
     (["--task", "/no/such/file.jsonl"], "no such task file"),
     (["--limit", "0"], "--limit must be >= 1"),
     (["--repeats", "0"], "repeats must be >= 1"),
+    (["--drafters", "ngram:fill=0"], "options in --drafters are the suffix drafter's only"),
+    (["--drafters", "suffix:fil=0"], "expected KEY=VALUE with KEY one of"),
+    (["--drafters", "suffix:fill=x"], "fill must be a number"),
 ])
 def test_bad_bench_input(capsys, args, message):
     assert main(["bench", *args]) == 2

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from specdec.costs import interpolate
-from specdec.bench.runner import PLAIN
+from specdec.bench.runner import PLAIN, variant_name
 
 
 def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
@@ -91,12 +91,16 @@ def write_outputs(results: dict, out: Path) -> list[Path]:
     return [out / "results.json", out / "report.md", *plots]
 
 
+def variant(m: dict) -> str:
+    return variant_name(m["drafter"], m.get("options", ()))
+
+
 def spec_methods(results: dict) -> dict[str, list[dict]]:
-    """specdec methods with a drafter, grouped by drafter, sorted by gamma."""
+    """specdec methods with a drafter, grouped by drafter variant (`suffix`, `suffix:fill=0`), sorted by gamma."""
     groups: dict[str, list[dict]] = {}
     for m in results["methods"]:
         if m["family"] == "specdec" and m["drafter"] != "none" and m.get("policy", "fixed") == "fixed":
-            groups.setdefault(m["drafter"], []).append(m)
+            groups.setdefault(variant(m), []).append(m)
     return {d: sorted(ms, key=lambda m: m["gamma"]) for d, ms in groups.items()}
 
 
@@ -230,7 +234,7 @@ def policy_findings(results: dict) -> list[str]:
     for drafter, fixed in spec_methods(results).items():
         top = max(fixed, key=lambda m: m["tokens_per_s"]["median"])
         for m in results["methods"]:
-            if m["family"] == "specdec" and m["drafter"] == drafter and m.get("policy", "fixed") != "fixed":
+            if m["family"] == "specdec" and variant(m) == drafter and m.get("policy", "fixed") != "fixed":
                 ratio = m["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
                 lines.append(f"{m['name']}: {fmt(m['tokens_per_s']['median'], 1)} tok/s, {ratio:.1%} of the best fixed gamma "
                              f"({top['name']}, {fmt(top['tokens_per_s']['median'], 1)} tok/s); "

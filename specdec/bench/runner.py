@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from specdec.config import SamplingParams, spec_config_for
 from specdec.drafters import DRAFTERS, DrafterOptions
 from specdec.drafters.base import forget_requests, learns_across_requests
 from specdec.drafters.draft_model import is_shared_draft, load_draft
+from specdec.drafters.suffix import parse_options
 from specdec.engine import SpecEngine
 from specdec.errors import UserError
 from specdec.models import load_model
@@ -86,7 +87,7 @@ class BenchConfig:
             raise UserError(f"repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        unknown = [d for d in self.drafters if d not in DRAFTERS]
+        unknown = [d for d in self.drafters if split_variant(d)[0] not in DRAFTERS]
         if unknown:
             raise UserError(f"unknown drafter(s) {unknown}; choose from {sorted(DRAFTERS)}")
         bad_policies = [p for p in self.policies if p not in POLICIES or p == "fixed"]
@@ -115,6 +116,28 @@ class Method:
     gamma: int = 0  # 0 with an adaptive policy
     policy: str = "fixed"
     endpoint: str | None = None  # an openai peer's spec: openai:URL[#MODEL]
+    options: tuple[tuple[str, int | float], ...] = ()  # the drafter's own options beside the run's (split_variant)
+
+    @property
+    def variant(self) -> str:
+        """The drafter as --drafters named it: `suffix`, `suffix:fill=0`."""
+        return variant_name(self.drafter, self.options)
+
+
+def variant_name(drafter: str, options) -> str:
+    return drafter + "".join(f":{key}={value}" for key, value in options)
+
+
+def split_variant(text: str) -> tuple[str, tuple[tuple[str, int | float], ...]]:
+    """A --drafters entry: a drafter, or `suffix:KEY=VALUE:...`, suffix with options of its own, so that two
+    settings of it run side by side in one run (`--drafters suffix,suffix:fill=0`)."""
+    name, *items = text.split(":")
+    if not items:
+        return name, ()
+    if name != "suffix":
+        raise UserError(f"{text}: options in --drafters are the suffix drafter's only (suffix:KEY=VALUE:...); "
+                        f"give {name}'s with its own flags")
+    return name, tuple(parse_options(items).items())
 
 
 @dataclass
@@ -137,10 +160,11 @@ class RunRecord:
 def plan_methods(config: BenchConfig, have_llama_cpp: bool) -> tuple[list[Method], list[str]]:
     """The methods to run, in interleaving order, and one-line notes about skipped peers."""
     methods = [Method(PLAIN, "specdec", "none", 0)]
-    for drafter in config.drafters:
+    for variant in config.drafters:
+        drafter, options = split_variant(variant)
         if drafter != "none":
-            methods += [Method(f"specdec/{drafter}/{g}", "specdec", drafter, g) for g in config.gammas]
-            methods += [Method(f"specdec/{drafter}/auto-{p}", "specdec", drafter, 0, p) for p in config.policies]
+            methods += [Method(f"specdec/{variant}/{g}", "specdec", drafter, g, options=options) for g in config.gammas]
+            methods += [Method(f"specdec/{variant}/auto-{p}", "specdec", drafter, 0, p, options=options) for p in config.policies]
     notes = []
     pld = config.pld_gammas or config.gammas
     for peer in config.peers:
@@ -197,13 +221,14 @@ class Runner:
                                       draft=Path(config.draft_gguf) if config.draft_gguf else None)
 
     def add(self, method: Method) -> SpecEngine:
-        """The engine of a specdec method: one per drafter, which its gammas share (and its graphs); one per
-        method for a drafter that learns across requests (suffix), or a gamma would draft from the text
-        another gamma just produced for the same prompt."""
-        engine = self.by_drafter.get(method.drafter)
+        """The engine of a specdec method: one per drafter variant, which its gammas share (and its graphs);
+        one per method for a drafter that learns across requests (suffix), or a gamma would draft from the
+        text another gamma just produced for the same prompt."""
+        engine = self.by_drafter.get(method.variant)
         if engine is None or learns_across_requests(engine.drafter):
-            engine = SpecEngine(self.target, method.drafter, self.options)
-            self.by_drafter.setdefault(method.drafter, engine)
+            options = replace(self.options, extra=self.options.extra | dict(method.options))
+            engine = SpecEngine(self.target, method.drafter, options)
+            self.by_drafter.setdefault(method.variant, engine)
         self.engines[method.name] = engine
         return engine
 
@@ -261,13 +286,13 @@ def label_by_what_runs(methods: list[Method], engines: dict) -> tuple[list[Metho
         if depth == m.gamma:
             kept.append(m)
             continue
-        name = f"specdec/{m.drafter}/{depth}"
-        notes.append(f"{m.name}: {m.drafter} drafts at most {depth} tokens deep, so gamma {m.gamma} runs as {name}"
+        name = f"specdec/{m.variant}/{depth}"
+        notes.append(f"{m.name}: {m.variant} drafts at most {depth} tokens deep, so gamma {m.gamma} runs as {name}"
                      + (" (already measured)" if name in names else ""))
         if name not in names:
             names.add(name)
             engines[name] = engines[m.name]
-            kept.append(Method(name, m.family, m.drafter, depth, m.policy))
+            kept.append(Method(name, m.family, m.drafter, depth, m.policy, options=m.options))
     return kept, notes
 
 

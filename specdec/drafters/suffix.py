@@ -144,6 +144,21 @@ class SuffixConfig:
         return cls(**values)
 
 
+def parse_options(items: list[str]) -> dict[str, int | float]:
+    """KEY=VALUE items of SuffixConfig's options, as numbers (`--suffix-options`, and `suffix:KEY=VALUE` in
+    bench's `--drafters`); SuffixConfig checks the values when the drafter is built."""
+    options, names = {}, tuple(SuffixConfig.__dataclass_fields__)
+    for item in filter(None, items):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in names:
+            raise UserError(f"expected KEY=VALUE with KEY one of {', '.join(names)}, got {item!r}")
+        try:
+            options[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise UserError(f"{key} must be a number, got {value!r}") from None
+    return options
+
+
 # ---- the suffix automaton ------------------------------------------------------------------------
 
 
