@@ -50,23 +50,23 @@ def test_each_repeat_of_a_drafter_that_learns_across_requests_starts_alike(setup
 
 
 def test_a_drafter_variant_runs_beside_the_drafter(setup):
-    """`--drafters suffix,suffix:fill=0:lookup=0`: two settings of one drafter in one interleaved run, each with
+    """`--drafters suffix,suffix:fill=0:lookup_tokens=0`: two settings of one drafter in one interleaved run, each with
     an engine of its own built with its options over the run's (--suffix-options), both lossless."""
     from specdec.bench.runner import Runner, plan_methods
 
     target, _, prompts = setup
-    config = BenchConfig(task=str(prompts), limit=None, model=str(target), drafters=("suffix", "suffix:fill=0:lookup=0"),
+    config = BenchConfig(task=str(prompts), limit=None, model=str(target), drafters=("suffix", "suffix:fill=0:lookup_tokens=0"),
                          gammas=(4,), peers=(), max_new_tokens=12, device="cpu", chat=False,
                          drafter_extra={"max_spec_factor": 2.0})
     methods, _ = plan_methods(config, False)
-    assert [m.name for m in methods] == ["specdec/none", "specdec/suffix/4", "specdec/suffix:fill=0:lookup=0/4"]
+    assert [m.name for m in methods] == ["specdec/none", "specdec/suffix/4", "specdec/suffix:fill=0:lookup_tokens=0/4"]
     configs = {name: engine.drafter.config for name, engine in Runner(config, methods).engines.items() if name != "specdec/none"}
-    assert (configs["specdec/suffix/4"].fill, configs["specdec/suffix/4"].lookup) == (1, 8)
-    assert (configs["specdec/suffix:fill=0:lookup=0/4"].fill, configs["specdec/suffix:fill=0:lookup=0/4"].lookup) == (0, 0)
+    assert (configs["specdec/suffix/4"].fill, configs["specdec/suffix/4"].lookup_tokens) == (1, 8)
+    assert (configs["specdec/suffix:fill=0:lookup_tokens=0/4"].fill, configs["specdec/suffix:fill=0:lookup_tokens=0/4"].lookup_tokens) == (0, 0)
     assert {c.max_spec_factor for c in configs.values()} == {2.0}
     results = run_bench(config, progress=False)
     assert [m["lossless"] for m in results["methods"][1:]] == [True, True]
-    assert results["methods"][2]["options"] == (("fill", 0), ("lookup", 0))  # results.json: [["fill", 0], ["lookup", 0]]
+    assert results["methods"][2]["options"] == (("fill", 0), ("lookup_tokens", 0))  # results.json: lists
 
 
 def test_every_method_ran_on_every_prompt(results):

@@ -74,6 +74,22 @@ def test_suffix_options_reach_the_drafter():
     assert build_drafter("suffix", None, DrafterOptions(extra=extra)).config.tree_nodes == 8
 
 
+def test_one_drafters_options_never_set_anothers():
+    """DrafterOptions.extra is one namespace for every drafter of a run: EAGLE's tree graft (--tree-lookup) and
+    suffix's options (--suffix-options) must not share a key, or one flag would set the other drafter too."""
+    from specdec.drafters import DrafterOptions, build_drafter
+    from specdec.drafters.eagle import EagleTreeConfig, tree_config
+    from specdec.drafters.suffix import SuffixConfig
+
+    assert not set(SuffixConfig.__dataclass_fields__) & set(EagleTreeConfig.__dataclass_fields__)
+    args = cli.build_parser().parse_args(["bench", "--drafters", "eagle,suffix", "--tree-lookup", "0",
+                                          "--suffix-options", "lookup_tokens=2"])
+    extra = cli.drafter_extra(args)
+    assert build_drafter("suffix", None, DrafterOptions(extra=extra)).config.lookup_tokens == 2
+    cpu = torch.nn.Linear(1, 1)
+    assert tree_config(cpu, DrafterOptions(extra=extra)).lookup == 0
+
+
 def test_eagles_default_tree_is_the_devices_and_yields_to_the_flags():
     """A GPU: GPU_TOTAL_TOKENS nodes and a GPU_LOOKUP-token graft; the CPU, whatever the weights' format: a chain with
     a grafted lookup (CPU_TREE). The flags override either (--tree-lookup 0: no graft)."""

@@ -313,7 +313,7 @@ def test_the_global_index_is_bounded_and_evicts_the_oldest_requests():
     ({"max_children": "2"}, "max_children must be an integer, got '2'"),
     ({"tree_nodes": True}, "tree_nodes must be an integer, got True"),
     ({"ahead": 2}, "ahead must be 0 or 1, got 2"),
-    ({"lookup": -1}, "lookup must be an integer >= 0"),
+    ({"lookup_tokens": -1}, "lookup_tokens must be an integer >= 0"),
 ])
 def test_bad_options_are_one_line_user_errors(extra, words):
     with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]")):

@@ -73,13 +73,14 @@ workload through a one-row server reading first served more (docs/design.md, "Dr
 Filling by lookup (chains). A p-token pattern drafts at most floor(max_spec_factor x p) tokens, so where a
 row's text repeats itself after a short pattern (translation, RAG), `suffix` alone drafts less than
 `ngram`, whose lookup drafts gamma tokens after a 1- to 3-token match. A row whose draft is shorter than
-`lookup` tokens (8, at most gamma) takes the continuation of its longest matching n-gram in its own text
+`lookup_tokens` tokens (8, at most gamma) takes the continuation of its longest matching n-gram in its own text
 (`ngram`'s search) instead, where that continuation begins with the draft (`fill_by_lookup`; on the host
 where nothing is in flight, on the device after aligning where a step is). `fill=0` looks up only where a
 row has no draft. Drafted tokens carry no q, so what is verified changes acceptance, never the output.
 
 Options (DrafterOptions.extra): max_tokens, max_pattern, max_spec_factor, min_token_prob, tree_nodes,
-max_children, ahead, lookup, fill; see SuffixConfig.
+max_children, ahead, lookup_tokens, fill; see SuffixConfig. (`lookup_tokens`, not `lookup`: DrafterOptions.extra
+is one namespace, and EAGLE's tree reads `lookup`, its graft.)
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ class SuffixConfig:
     tree_nodes: int = 0  # 0: draft a chain; else a tree of at most this many nodes
     max_children: int = 3  # a tree's fan-out bound (a chain has 1)
     ahead: int = 1  # draft chains ahead of the step in flight on a GPU (see "Drafting ahead"); 0: read the step first
-    lookup: int = 8  # tokens a row drafts by n-gram lookup where its own draft is shorter ("Filling by lookup"; 0: none)
-    fill: int = 1  # 1: look up where a row's draft is shorter than `lookup`; 0: only where it has none
+    lookup_tokens: int = 8  # tokens a row drafts by n-gram lookup where its own draft is shorter ("Filling by lookup"; 0: none)
+    fill: int = 1  # 1: look up where a row's draft is shorter than `lookup_tokens`; 0: only where it has none
 
     def __post_init__(self) -> None:
         checks = [("max_tokens", self.max_tokens >= 2, "an integer >= 2"),
@@ -123,7 +124,7 @@ class SuffixConfig:
                   ("tree_nodes", self.tree_nodes >= 0, "an integer >= 0 (0: a chain)"),
                   ("max_children", self.max_children >= 1, "an integer >= 1"),
                   ("ahead", self.ahead in (0, 1), "0 or 1"),
-                  ("lookup", self.lookup >= 0, "an integer >= 0 (0: no lookup)"),
+                  ("lookup_tokens", self.lookup_tokens >= 0, "an integer >= 0 (0: no lookup)"),
                   ("fill", self.fill in (0, 1), "0 or 1")]
         for name, ok, expected in checks:
             if not ok:
@@ -568,7 +569,7 @@ class SuffixDrafter:
         nothing is in flight (a CPU; a GPU step that read its rows first) the chain starts at the row's end, as
         the host holds it, and the host fills it (fill_by_lookup)."""
         c, ahead = self.config, bool(batch.in_flight)
-        lookup = min(gamma, c.lookup)
+        lookup = min(gamma, c.lookup_tokens)
         guesses, longest = {}, 0
         for slot, row in rows:
             in_flight = batch.in_flight.get(slot)  # a step over the row not yet read: its tokens are ahead
