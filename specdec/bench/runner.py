@@ -392,7 +392,7 @@ def one_token_forward(records: list[RunRecord], calibrated_s: float) -> dict:
     time per decode step, measured beside the methods' draft times, prompt by prompt in the same run. The
     calibrated forward (measure_forward_times) is timed once, after the run, at one context: on a 2-core VM
     whose speed drifts within a run it moved c by more than the draft's own changes (docs/design.md,
-    "Integer dot products for a quantized draft"). It stays t1 where plain did not run (openai peers only)."""
+    "Integer dot products for a quantized draft"). It stays t1 where plain ran no decode step (one new token)."""
     steps = [r.stats["target_s"] / r.stats["decode_steps"] for r in records
              if r.method == PLAIN and r.stats and r.stats["decode_steps"]]
     if not steps:
