@@ -75,13 +75,17 @@ def test_suffix_options_reach_the_drafter():
 
 
 def test_one_drafters_options_never_set_anothers():
-    """DrafterOptions.extra is one namespace for every drafter of a run: EAGLE's tree graft (--tree-lookup) and
-    suffix's options (--suffix-options) must not share a key, or one flag would set the other drafter too."""
+    """DrafterOptions.extra is one namespace for every drafter of a run: the configs read from it (suffix's,
+    EAGLE's tree, lookahead's) must not share a key, or one drafter's flag would set another's too (EAGLE's
+    --tree-lookup and suffix's `lookup` did)."""
     from specdec.drafters import DrafterOptions, build_drafter
     from specdec.drafters.eagle import EagleTreeConfig, tree_config
     from specdec.drafters.suffix import SuffixConfig
 
-    assert not set(SuffixConfig.__dataclass_fields__) & set(EagleTreeConfig.__dataclass_fields__)
+    from specdec.drafters.lookahead import LookaheadConfig
+
+    keys = [set(config.__dataclass_fields__) for config in (SuffixConfig, EagleTreeConfig, LookaheadConfig)]
+    assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1 :]), keys
     args = cli.build_parser().parse_args(["bench", "--drafters", "eagle,suffix", "--tree-lookup", "0",
                                           "--suffix-options", "lookup_tokens=2"])
     extra = cli.drafter_extra(args)
