@@ -64,7 +64,8 @@ def test_summarize_acceptance_and_estimates():
              "drafted_per_position": [4, 4], "accepted_per_position": [3, 1]}
     records = [record("specdec/none", "a", 10), record("specdec/none", "b", 10),
                record("specdec/ngram/2", "a", 12, stats=stats), record("specdec/ngram/2", "b", 14, stats=stats)]
-    calibration = {"forward_s": {"1": 0.1, "2": 0.11, "3": 0.12}, "verify_ratio": {"1": 1.0, "2": 1.1, "3": 1.2}}
+    calibration = {"forward_s": {"1": 0.125, "2": 0.11, "3": 0.12}, "verify_ratio": {"1": 1.0, "2": 1.1, "3": 1.2},
+                   "t1_s": 0.1, "t1_from": "plain runs"}  # c counts in t1_s (plain's steps), not the calibrated forward
     s = summarize(Method("specdec/ngram/2", "specdec", "ngram", 2), records, calibration, greedy=True)
     assert s["acceptance_rate"] == pytest.approx(0.5)
     assert s["mean_accepted_length"] == pytest.approx(2.0)  # (9 - 1) / (5 - 1) per prompt
