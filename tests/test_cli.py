@@ -80,9 +80,8 @@ def test_one_drafters_options_never_set_anothers():
     --tree-lookup and suffix's `lookup` did)."""
     from specdec.drafters import DrafterOptions, build_drafter
     from specdec.drafters.eagle import EagleTreeConfig, tree_config
-    from specdec.drafters.suffix import SuffixConfig
-
     from specdec.drafters.lookahead import LookaheadConfig
+    from specdec.drafters.suffix import SuffixConfig
 
     keys = [set(config.__dataclass_fields__) for config in (SuffixConfig, EagleTreeConfig, LookaheadConfig)]
     assert all(not a & b for i, a in enumerate(keys) for b in keys[i + 1 :]), keys
