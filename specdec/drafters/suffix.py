@@ -565,9 +565,9 @@ class SuffixDrafter:
         """Each row's chain, drafted ahead where the row's last proposal went to a step still in flight: that
         step's draft (drafted_from) is taken as accepted, and the chain guesses on from it, the step's own next
         token first; the device keeps what follows the tokens the step really kept, where they agree with the
-        guess (align_guesses), then fills a short draft by n-gram lookup (fill_by_lookup_on_device). Where
-        nothing is in flight (a CPU; a GPU step that read its rows first) the chain starts at the row's end, as
-        the host holds it, and the host fills it (fill_by_lookup)."""
+        guess (align_guesses), then fills a short draft by n-gram lookup (fill_by_lookup_on_device), for every
+        row. Where nothing is in flight (a CPU; a GPU step that read its rows first) each chain starts at its
+        row's end, as the host holds it, and the host fills it (fill_by_lookup)."""
         c, ahead = self.config, bool(batch.in_flight)
         lookup = min(gamma, c.lookup_tokens)
         guesses, longest = {}, 0
@@ -576,7 +576,7 @@ class SuffixDrafter:
             drafted = drafted_from(row.guess, row.text, self.ngram) if row.guess and row.guess.serial == in_flight else []
             depth = gamma + 1 if in_flight else gamma  # in flight: that step's next token, then gamma
             guess = drafted + self.best_draft(row, DraftShape(depth, depth), drafted).tokens
-            if not in_flight:
+            if not ahead:  # ahead, the device fills every row, those not in flight too (fill_by_lookup_on_device)
                 guess = fill_by_lookup(guess, row.text, lookup, c.fill, self.ngram)
             guesses[slot] = guess
             longest = max(longest, min(gamma, len(guess) - (len(drafted) + 1 if in_flight else 0)))
