@@ -70,9 +70,9 @@ def add_drafter_options(p: argparse.ArgumentParser) -> None:
 
 
 def suffix_option_names() -> tuple[str, ...]:
-    from specdec.drafters.suffix import SuffixConfig
+    from specdec.drafters.suffix import OPTION_NAMES
 
-    return tuple(SuffixConfig.__dataclass_fields__)
+    return OPTION_NAMES
 
 
 def suffix_options(text: str) -> dict[str, int | float]:

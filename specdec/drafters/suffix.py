@@ -145,14 +145,17 @@ class SuffixConfig:
         return cls(**values)
 
 
+OPTION_NAMES = tuple(SuffixConfig.__dataclass_fields__)
+
+
 def parse_options(items: list[str]) -> dict[str, int | float]:
     """KEY=VALUE items of SuffixConfig's options, as numbers (`--suffix-options`, and `suffix:KEY=VALUE` in
     bench's `--drafters`); SuffixConfig checks the values when the drafter is built."""
-    options, names = {}, tuple(SuffixConfig.__dataclass_fields__)
+    options = {}
     for item in filter(None, items):
         key, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or key not in names:
-            raise UserError(f"expected KEY=VALUE with KEY one of {', '.join(names)}, got {item!r}")
+        if not sep or key not in OPTION_NAMES:
+            raise UserError(f"expected KEY=VALUE with KEY one of {', '.join(OPTION_NAMES)}, got {item!r}")
         try:
             options[key] = int(value) if value.lstrip("-").isdigit() else float(value)
         except ValueError:
