@@ -202,3 +202,36 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_request_sent_before_the_engine_ends_fails_alike_whether_or_not_it_was_acknowledged():
+    """The frontend's side of a lost engine, in process: a submit whose acknowledgement had not come back when
+    the pipe closed resolves as accepted, and its request gets the engine's-end error event, as one already
+    acknowledged does (the app then answers 500 for both; failing the submit as ShuttingDown answered 503,
+    depending on which message won the race)."""
+    import asyncio
+    import multiprocessing
+
+    from specdec.config import SamplingParams
+    from specdec.server.frontend import ENGINE_GONE, RemoteScheduler
+    from specdec.server.scheduler import GenerationRequest
+
+    async def lose_the_engine(acknowledged: bool):
+        ours, engine = multiprocessing.Pipe()
+        remote = RemoteScheduler(ours, None, SchedulerConfig(), vocab_size=8)
+        remote.loop = asyncio.get_running_loop()
+        events = []
+        request = GenerationRequest([1, 2], 4, SamplingParams(), (), emit=events.append)
+        submitted = remote.submit(request)
+        kind, key, _ = engine.recv()
+        assert kind == "submit"
+        if acknowledged:
+            engine.send(("reply", key, None))
+            remote.receive()
+        engine.close()
+        remote.receive()  # the pipe is closed: engine_gone
+        await asyncio.wait_for(submitted, 1)  # no ShuttingDown
+        return [e.error for e in events]
+
+    for acknowledged in (True, False):
+        assert asyncio.run(lose_the_engine(acknowledged)) == [ENGINE_GONE], acknowledged

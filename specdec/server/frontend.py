@@ -394,16 +394,22 @@ class RemoteScheduler:
             future.set_result(value)
 
     def engine_gone(self) -> None:
-        """The pipe closed: fail every request and pending answer, and shut this process down."""
+        """The pipe closed: fail every request and pending answer, and shut this process down. A request sent
+        to the engine ends by its error event (500) whether or not the engine's acknowledgement of it had come
+        back: its submit's answer is settled as accepted, not failed as ShuttingDown (503), which raced the
+        acknowledgement (a loaded 2-core CI machine saw 503)."""
         if self.lost is not None:
             return
         self.lost = ENGINE_GONE
         log.critical(self.lost)
         self.loop.remove_reader(self.conn.fileno())
-        for request in self.jobs.values():
+        for key, request in self.jobs.items():
             request.emit(Event(error=self.lost))
             if request.wake is not None:
                 request.wake()
+            submitted = self.replies.pop(key, None)
+            if submitted is not None and not submitted.done():
+                submitted.set_result(None)  # as the engine answers an accepted submit (EngineBridge.submit)
         self.jobs.clear()
         for future in self.replies.values():
             if not future.done():
