@@ -19,7 +19,7 @@ from specdec.batch import Request, Row, eos_ids
 from specdec.config import SamplingParams, SpecConfig
 from specdec.costs import measure_forward_times, verify_ratios
 from specdec.drafters import Drafter, DrafterOptions, build_drafter
-from specdec.drafters.catch_up import SHORT_GAP, catches_up
+from specdec.drafters.catch_up import SHORT_GAP, defers
 from specdec.errors import UserError
 from specdec.graphs import bucket
 from specdec.metrics import SpecStats
@@ -133,8 +133,8 @@ def decode_rows(stepper: Stepper, requests: list[Request], policy: GammaPolicy, 
     try:
         rows = stepper.prefill(list(range(len(requests))), requests)
         # steps since each row last drafted, where a lazy drafter catches rows up (catch_up.py): a row's
-        # first draft feeds it its prompt, and one after a stretch at gamma 0 that stretch
-        idle = [SHORT_GAP] * len(rows) if catches_up(batch) else None
+        # first draft feeds it its prompt (in gaps), and one after a stretch at gamma 0 that stretch
+        idle = [SHORT_GAP] * len(rows) if defers(batch) else None
         while batch.busy:
             chosen = [0 if row.finished else policy.choose(row.slot) for row in rows]
             if agree:

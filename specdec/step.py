@@ -43,6 +43,7 @@ from specdec.batch import (FINISH_CODES, TOP_K_BOUND, Request, Row, RowBatch, ap
                            first_token_outcome, top_k_bound)
 from specdec.costs import Stopwatch
 from specdec.drafters.base import DraftShape, Drafter, Proposal, Verified, pending_tokens, target_features
+from specdec.drafters.catch_up import lag_of
 from specdec.graphs import PREFILL_LANE, PrefillGraphs, capturing, prefill_graph_tokens, warming_up
 from specdec.kv_cache import KVCache
 from specdec.models import cpu_gemm, fused
@@ -512,6 +513,7 @@ class Stepper:
         self.aux_layers = target_features(drafter)  # asked of every target forward (None: the final hidden states)
         self.graphs = graphs
         self.captured: dict[tuple[int, bool, int], Captured] = {}  # (gamma, any sampled, top-k bound) -> graphs
+        self.catch_up_graph: torch.cuda.CUDAGraph | None = None  # one chunk of a lagging drafter's catch-up (catch_up_rows)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.prefill_graphs = (PrefillGraphs(target, aux_layers=self.aux_layers, max_rows=batch.capacity, max_span=cache.max_len)
                                if graphs and graphs_prefill(target) else None)
@@ -663,6 +665,9 @@ class Stepper:
             self.batch.release(slot)
         self.in_flight.clear()
         self.times = StepTimes()
+        lag = lag_of(self.batch)
+        if lag is not None:  # no row is left behind
+            lag.most = 0
 
     # ---- steps ---------------------------------------------------------------------------------
 
@@ -683,6 +688,9 @@ class Stepper:
                     self.capture((g, any_sampled, max_top_k), s)
         watch = Stopwatch(self.device)
         watch.mark("start")
+        lag = lag_of(batch)
+        if gamma and lag is not None:
+            self.catch_up_rows(lag.chunks_before(), graphed)
         proposal = None
         serial = next(LAUNCHES)
         if gamma and drafts_ahead(drafter):  # what it drafts ahead from: its rows' steps not yet read
@@ -706,6 +714,8 @@ class Stepper:
             out = captured.out
         else:
             out = self.run_phases(gamma, shape, any_sampled, watch, observe=observer is not None, proposal=proposal)
+        if lag is not None:
+            lag.stepped(shape.depth if gamma else 0)
         launched = self.copy_out(out, watch, gamma)
         launched.rows, launched.start, launched.serial = dict(batch.rows), t, serial
         if observer is not None:
@@ -713,6 +723,15 @@ class Stepper:
         self.in_flight.append(launched)
         self.times.host_s += time.perf_counter() - t
         return launched
+
+    def catch_up_rows(self, chunks: int, graphed: bool) -> None:
+        """Feed a lagging drafter's rows `chunks` chunks of what they skipped (catch_up.py, Lag), before a
+        drafting step whose propose feeds the last chunk: a replay each where steps are graphed."""
+        for _ in range(chunks):
+            if graphed:
+                self.catch_up_graph.replay()
+            else:
+                self.drafter.catch_up(self.batch)
 
     def missing_shapes(self, gammas: list[int]) -> dict[tuple[int, bool, int], DraftShape]:
         """The step shapes at these gammas not captured yet (keys as in `captured`), for greedy batches and
@@ -830,10 +849,23 @@ class Stepper:
             if not host:
                 with capturing(graphs[2], self.pool):
                     self.drafter.commit(batch, out.verified)
+        if self.catch_up_graph is None and lag_of(batch) is not None:  # with every row still inactive
+            self.catch_up_graph = self.capture_catch_up()
         batch.active.copy_(active)
         batch.sampling.max_top_k = bound
         self.captured[key] = Captured(graphs[0] if gamma and not host else None, graphs[1], None if host else graphs[2], out, static)
         return self.captured[key]
+
+    def capture_catch_up(self) -> torch.cuda.CUDAGraph:
+        """One chunk of a lagging drafter's catch-up as a CUDA graph, warmed up and captured with every row
+        inactive (a chunk then feeds nothing: its entries are scratch past the rows' lengths)."""
+        with fused.fusing(), warming_up():
+            for _ in range(2):
+                self.drafter.catch_up(self.batch)
+        graph = torch.cuda.CUDAGraph()
+        with fused.fusing(), capturing(graph, self.pool):
+            self.drafter.catch_up(self.batch)
+        return graph
 
     def copy_out(self, out: StepOutput, watch: Stopwatch, gamma: int) -> Launched:
         if self.device.type != "cuda":

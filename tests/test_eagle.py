@@ -12,7 +12,8 @@ import specdec
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
-from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig, graft_chain, rank_order, select_tree, top_indices, tree_config
+from specdec.drafters.eagle import (EagleDrafter, EagleTreeConfig, graft_chain, keep_features, keep_features_indexed, rank_order,
+                                   select_tree, top_indices, tree_config)
 from specdec.models import kernels
 from specdec.models.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
@@ -67,6 +68,24 @@ def test_select_tree_equals_sorting_on_random_trees():
         for n, c in enumerate(keep[b].tolist()):
             p = int(parents[b, c])
             assert int(kept_parents[b, n]) == (-1 if p < 0 else position[(b, p)])
+
+
+def test_kept_features_land_alike_by_row_and_indexed():
+    """The CPU's slice copies and the graph-safe indexed write store the same entries and leave every other
+    entry alone: rows keeping all, some, none (not in the step), and a slot never held (length 0)."""
+    torch.manual_seed(0)
+    S, W, D = 12, 4, 3
+    hidden = torch.randn(4, W, D)
+    kept, length = torch.tensor([4, 2, 0, 0]), torch.tensor([9, 5, 7, 0])
+    by_row = torch.randn(4, S + W - 1, D)
+    indexed = by_row.clone()
+    before = by_row.clone()
+    keep_features(by_row, hidden, kept, length)
+    keep_features_indexed(indexed, hidden, kept, length)
+    assert torch.equal(by_row, indexed)
+    assert torch.equal(by_row[0, 4:8], hidden[0]) and torch.equal(by_row[1, 2:4], hidden[1, :2])
+    changed = (by_row != before).any(-1)  # [4, S + W - 1]
+    assert changed.sum() == 6 and not changed[2:].any()
 
 
 def test_a_level_expands_at_most_its_own_nodes():

@@ -23,7 +23,7 @@ from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_laye
 from specdec.models.kernels import kernel_path
 from specdec.step import new_stepper
 from test_eagle import check_sampling_matches_plain
-from test_lazy_drafters import MAX_LEN, SCHEDULE, eager_stepper, run_schedule
+from test_lazy_drafters import MAX_LEN, SCHEDULE, chunked_stepper, run_schedule
 
 PROMPTS = [[5, 17, 3, 9, 44, 2, 71], [12, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 30, 31]]
 MAX_NEW = 32
@@ -90,15 +90,15 @@ def test_eagle3_greedy_equals_plain_with_near_ties(flat, gamma, batch, lookup):
     assert out.stats.draft_nodes > 0
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="lazy drafter state runs on the CPU only (catch_up.catches_up)")
-def test_eagle3_caught_up_drafts_equal_eager_ones(flat):
-    """The lazy catch-up (eager steppers) feeds project(aux) at the positions eager feeding would: same drafts."""
+@pytest.mark.skipif(DEVICE != "cpu", reason="catching up in gaps runs on the CPU only (catch_up.catches_up)")
+def test_eagle3_drafts_alike_caught_up_in_gaps_and_in_chunks(flat):
+    """Both catch-ups feed project(aux) at the same positions: the same drafts."""
     target, _, _ = flat
     drafter = EagleDrafter(target, random_head3(target, draft_vocab=64), EagleTreeConfig(depth=3, branch=2, frontier=2, total_tokens=6))
     lazy = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
     assert lazy.batch.draft.features.shape[-1] == 3 * target.config.hidden_size
     lazy_drafts = run_schedule(lazy)
-    assert lazy_drafts == run_schedule(eager_stepper(target, drafter))
+    assert lazy_drafts == run_schedule(chunked_stepper(target, drafter))
     assert len(lazy_drafts) == sum(g > 0 for g, _ in SCHEDULE)
 
 

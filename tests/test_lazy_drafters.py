@@ -1,12 +1,13 @@
-"""Lazy drafter state (specdec/drafters/catch_up.py) on eager steppers: EAGLE's head and a draft model
-are fed only when a row drafts, then catch up over the positions they skipped.
+"""Lazy drafter state (specdec/drafters/catch_up.py): EAGLE's head and a draft model are fed only when a
+row drafts, then catch up over the positions they skipped, in gaps (eager steppers on the CPU) or, EAGLE's,
+in fixed-width chunks (the graphed steppers' path, here run eagerly on a static batch).
 
-- the drafts of a caught-up state are bitwise those of a state fed all along: EAGLE's against its eager
-  state (the graphed steppers' path, here run eagerly on a static batch), a draft model's against one
-  fed the whole history from scratch; through stretches at gamma 0 short and long (one forward for
-  every row, or one per row far behind), rows at different gammas, and a row leaving and a new one
-  joining its slot;
-- a step at gamma 0, and a prompt joining, run no head or draft forward at all.
+- the drafts of a caught-up state are bitwise those of a state fed all along: EAGLE's in gaps against its
+  state in chunks, a draft model's against one fed the whole history from scratch; through stretches at
+  gamma 0 short and long (one forward for every row, or one per row far behind; one chunk, or more run
+  by the host), rows at different gammas, and a row leaving and a new one joining its slot;
+- in chunks, the host's bound (Lag) leaves no row behind when the head drafts;
+- a step at gamma 0 runs no head or draft forward at all, nor does a prompt joining in gaps.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from specdec.step import Stepper, StepRecord, new_stepper
 from test_eagle import random_head
 from test_engine import PROMPTS, models, plain  # noqa: F401  (fixtures)
 
-# Lazy state is the CPU's: an eager stepper on a GPU (an observed run) feeds every step, as graphed ones do.
-pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="lazy drafter state runs on the CPU only (catch_up.catches_up)")
+# Catching up in gaps is the CPU's: an eager stepper on a GPU (an observed run) catches up in chunks, as graphed ones do.
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="catching up in gaps runs on the CPU only (catch_up.catches_up)")
 
 MAX_LEN, NEW = 160, 60
 # Per step: the step's gamma and each slot's (batch.gamma): stretches at gamma 0 of 1, 3 (fed with the
@@ -39,7 +40,7 @@ def eagle(target, draft, lookup: int = 0) -> EagleDrafter:
                                                                                       total_tokens=6, lookup=lookup))
 
 
-def eager_stepper(target, drafter) -> Stepper:
+def chunked_stepper(target, drafter) -> Stepper:
     """Steps run eagerly, but over a static batch: the drafter keeps the state graphed steppers keep."""
     batch = RowBatch(2, MAX_LEN, list(eos_ids(target)), torch.device(DEVICE), static=True)
     drafter.attach(batch)
@@ -69,17 +70,62 @@ def run_schedule(stepper: Stepper, check=None) -> list[list]:
     return drafts
 
 
+def fed_up_to_date(drafter: EagleDrafter, monkeypatch) -> list[int]:
+    """Check, as the head starts each tree, that every running row's head cache holds its pairs up to L - 2
+    (nothing left behind by the catch-up); returns the list of trees checked, filled as they grow."""
+    grow, grown = drafter.grow, []
+
+    def checked(root, batch, depth):
+        active = batch.active
+        assert torch.equal(batch.draft.cache.lengths[active], batch.length[active] - 1)
+        grown.append(depth)
+        return grow(root, batch, depth)
+
+    monkeypatch.setattr(drafter, "grow", checked)
+    return grown
+
+
 @pytest.mark.parametrize("lookup", [0, 3], ids=["tree", "tree+lookup"])
-def test_eagle_caught_up_drafts_equal_eager_ones(models, lookup):  # noqa: F811
-    """The lazy catch-up feeds the head what eager feeding (the graphed steppers' state) does: the same
-    drafts, also where a grafted lookup branch was accepted (at most depth + 1 kept, as the eager commit feeds)."""
+def test_eagle_drafts_alike_caught_up_in_gaps_and_in_chunks(models, lookup, monkeypatch):  # noqa: F811
+    """Gaps (each row exactly what it skipped) and chunks (fixed-width forwards, more of them run by the host
+    after a long stretch at gamma 0: Lag) feed the head the same pairs: the same drafts, also where a grafted
+    lookup branch was accepted (depth + 1 kept, what a chunk covers), and no row is left behind in either."""
     target, _, draft = models
     drafter = eagle(target, draft, lookup)
-    lazy = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
-    assert lazy.batch.draft.features is not None and eager_stepper(target, drafter).batch.draft.features is None
-    lazy_drafts = run_schedule(lazy)
-    assert lazy_drafts == run_schedule(eager_stepper(target, drafter))
-    assert len(lazy_drafts) == sum(g > 0 for g, _ in SCHEDULE)
+    grown = fed_up_to_date(drafter, monkeypatch)
+    gaps = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+    chunks = chunked_stepper(target, drafter)
+    assert gaps.batch.draft.lag is None and chunks.batch.draft.lag.width == SHORT_GAP
+    gap_drafts = run_schedule(gaps)
+    assert gap_drafts == run_schedule(chunks)
+    assert len(gap_drafts) == sum(g > 0 for g, _ in SCHEDULE) and len(grown) == 2 * len(gap_drafts)
+
+
+def test_eagle_in_chunks_feeds_a_long_stretch_in_the_chunks_the_host_counts(models, monkeypatch):  # noqa: F811
+    """In chunks: joins feed the prompt, gamma-0 steps feed the head nothing, and a drafting step after n of
+    them runs ceil((depth + 1 + n) / width) chunks (the propose's own included) and leaves no row behind."""
+    target, _, draft = models
+    drafter = eagle(target, draft)
+    fed_up_to_date(drafter, monkeypatch)
+    forwards = []
+    features = drafter.head.features
+    monkeypatch.setattr(drafter.head, "features", lambda *a, **k: forwards.append(1) or features(*a, **k))
+    stepper = chunked_stepper(target, drafter)
+    stepper.prefill([0, 1], [Request(PROMPTS[0], NEW), Request(PROMPTS[2], NEW)])
+    stepper.batch.gamma.fill_(3)
+    depth = drafter.shape(3).depth
+    stepper.launch(3)
+    stepper.read()
+    for n in (0, 5, 20):
+        for _ in range(n):
+            stepper.launch(0)
+            stepper.read()
+        assert stepper.batch.draft.lag.most == depth + 1 + n
+        forwards.clear()
+        stepper.launch(3)
+        stepper.read()
+        chunks = -(-(depth + 1 + n) // SHORT_GAP)
+        assert len(forwards) == chunks + depth - 1  # the chunks, then the tree's levels past the root's
 
 
 def test_draft_model_caught_up_drafts_equal_drafts_fed_from_scratch(models):  # noqa: F811

@@ -2,23 +2,30 @@
 
 EAGLE's head and a draft model keep a KV cache that follows the row's tokens. Fed eagerly, that costs
 a forward at every step and over every prompt, even where the policy drafts nothing (gamma 0: a step
-has no `propose`). On the CPU (`catches_up(batch)`: an eager stepper on the CPU) such a drafter defers
-instead: `join` and `commit` only note what is left to feed (a
-cache length that stays behind, and for EAGLE the target's features), and `propose`, which runs only
-when the step drafts, first feeds every running row the positions it skipped (`feed_gaps`): the same
-inputs at the same positions as if it had been fed all along, in fewer and wider forwards. The exact
-kernels give each entry the bits of any block it is computed in, so the drafts are those of eager
-feeding (tests/test_lazy_drafters.py).
+has no `propose`). Such a drafter defers instead: `commit` only notes what is left to feed (a cache
+length that stays behind, and for EAGLE the target's features), and `propose`, which runs only when
+the step drafts, first feeds every running row the positions it skipped: the same inputs at the same
+positions as if it had been fed all along, in fewer and wider forwards. Two ways, by stepper:
 
-A captured step has fixed shapes, and a gap's width is data: on a graphed stepper (batch.static) each
-drafter keeps its eager-every-step behaviour (see its module docstring). So does an eager stepper on a
-GPU (an observed run: `specdec analyze`, the server's row-by-row retry), so that it drafts what the
-graphed steps draft: there a wider block's head forward need not give each entry the bits of a narrower
-one (on an H200 the caught-up EAGLE drafts differed from eagerly fed ones in one token of a near-tie).
+- in gaps (`catches_up(batch)`: an eager stepper on the CPU; EAGLE and the draft model): each row
+  exactly its gap (`feed_gaps`), a row far behind in a forward of its own. `join` feeds nothing: the
+  prompt is a row's first gap. The exact kernels give each entry the bits of any block it is computed
+  in, so the drafts are those of eager feeding (tests/test_lazy_drafters.py).
+- in chunks (every other stepper: graphed ones, whose captured shapes are fixed while a gap's width is
+  data, and eager ones on a GPU, so that they draft what graphed steps draft; EAGLE): one forward of a
+  fixed `Lag.width` positions per row feeds each row up to that many (`feed_chunk`), and the host,
+  which knows from the steps it launched how far behind a row can be (`Lag`), runs as many chunks
+  before a drafting step's propose as the propose's own one does not cover (Stepper.launch). `join`
+  feeds the prompt, a block of its own (captured with the prefill: step.JoinGraph). Chunks and gaps
+  need not give the same bits on a GPU (a wider block's head forward there need not give each entry a
+  narrower one's bits): drafts may differ in a near-tie, verification keeps the output lossless.
+  The draft model on graphed steppers is not lazy: it feeds a fixed two tokens per proposal (its
+  module docstring).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,8 +48,47 @@ Feed = Callable[[KVCache, slice, Tensor, Tensor], Tensor]
 
 
 def catches_up(batch) -> bool:
-    """Whether this batch's drafter state is lazy: its steps run eagerly on the CPU."""
+    """Whether this batch's drafter state catches up in gaps (`feed_gaps`): its steps run eagerly on the CPU."""
     return not batch.static and batch.device.type == "cpu"
+
+
+def chunk_width(depth: int) -> int:
+    """Positions a chunk feeds per row (Lag.width) for drafts up to `depth` deep: at least what a drafting
+    step keeps (depth + 1), so that consecutive drafting steps need no chunk beyond the propose's own, and
+    SHORT_GAP, so that a few gamma-0 steps between them need none either."""
+    return max(SHORT_GAP, depth + 1)
+
+
+@dataclass
+class Lag:
+    """The host's bound on how far a chunked drafter state lags (module docstring): at most `most` positions
+    behind in any row, known from the steps launched, without reading the device. One per batch, shared by
+    its views (`head`: RowBatch.head)."""
+
+    width: int  # positions per row one chunk feeds (chunk_width); a drafting step's propose runs one first
+    most: int = 0
+
+    def head(self, n: int) -> "Lag":
+        return self
+
+    def chunks_before(self) -> int:
+        """Chunks to feed before a drafting step's propose, whose own chunk feeds the rest."""
+        return max(0, -(-self.most // self.width) - 1)
+
+    def stepped(self, depth: int) -> None:
+        """A step was launched at draft depth `depth` (0: a plain step). A drafting step caught every row up
+        first and keeps at most depth + 1 tokens a row; a plain step keeps at most one."""
+        self.most = depth + 1 if depth else self.most + 1
+
+
+def lag_of(batch) -> Lag | None:
+    """The batch's drafter's Lag, if its state catches up in chunks."""
+    return getattr(batch.draft, "lag", None)
+
+
+def defers(batch) -> bool:
+    """Whether the batch's drafter is fed only when rows draft, in gaps or in chunks."""
+    return catches_up(batch) or lag_of(batch) is not None
 
 
 def feed_gaps(cache: KVCache, gap: Tensor, feed: Feed) -> Tensor | None:
@@ -64,12 +110,21 @@ def feed_gaps(cache: KVCache, gap: Tensor, feed: Feed) -> Tensor | None:
     width = max(gaps)
     if width:
         short = to_device(gaps, gap.device)  # [B]
-        start = cache.lengths.clone()  # [B]
-        positions = start[:, None] + torch.arange(width, device=gap.device)  # [B, w]
-        last = feed(cache, slice(None), positions, (short - 1).clamp(min=0))  # [B, X]
-        cache.lengths.copy_(start + short)
-        out = torch.where((short > 0)[:, None], last, 0 if out is None else out)
+        last = feed_chunk(cache, short, feed, width)  # [B, X]
+        out = last if out is None else torch.where((short > 0)[:, None], last, out)
     return out
+
+
+def feed_chunk(cache: KVCache, gap: Tensor, feed: Feed, width: int) -> Tensor:
+    """Feed each row b min(gap[b], width) entries after its cache length, in one forward of `width` entries
+    a row (past a row's share, scratch past its new length: the cache holds `width` spare slots). Graph-safe.
+    Returns [B, X], each fed row's output at its last entry fed (zeros for rows fed nothing)."""
+    short = gap.clamp(max=width)  # [B]
+    start = cache.lengths.clone()  # [B]
+    positions = start[:, None] + torch.arange(width, device=gap.device)  # [B, w]
+    last = feed(cache, slice(None), positions, (short - 1).clamp(min=0))  # [B, X]
+    cache.lengths.copy_(start + short)
+    return torch.where((short > 0)[:, None], last, 0)
 
 
 def row_of(cache: KVCache, b: int) -> KVCache:

@@ -11,22 +11,28 @@ Prompt lookup grafted on (`lookup` > 0; on by default, GPU_LOOKUP / CPU_TREE's t
 holds its first tokens (`graft_chain`), so a row that copies from its prompt or repeats itself (a summary,
 a quoted passage, code) can accept what the head, trained on other text, would not have guessed. Still
 deterministic nodes with distinct siblings, so still lossless; the chain is at most `depth` long, so a
-step never keeps more than depth + 1 tokens (what the eager commit feeds).
+step never keeps more than depth + 1 tokens (what a chunked catch-up's width covers: chunk_width).
 
-Per-slot state (`EagleState`): the head's KV cache and the head's predicted feature for the pending
-token (the root of the next tree). With L tokens in a row, the head is fed the pairs for positions
-0 .. L - 2 before it drafts; the tree's entries are written after them and rolled back at the end of
-propose. When the pairs are fed depends on the stepper (catch_up.py):
+Per-slot state (`EagleState`): the head's KV cache, the head's predicted feature for the pending
+token (the root of the next tree), and the target's features by position. With L tokens in a row, the
+head has been fed the pairs for positions 0 .. L - 2 when it drafts; the tree's entries are written
+after them and rolled back at the end of propose. The head is fed lazily (catch_up.py): `commit`, at
+every step, only stores the target's features of the kept entries, and `propose`, which runs only when
+the step drafts, first feeds each running row the pairs from its head-cache length up to L - 2
+(`catch_up`: whatever the steps since its last draft kept), which leaves the root. A step at gamma 0
+runs no head forward. How the pairs are fed depends on the stepper:
 
-- eager stepper (the CPU; `catches_up(batch)`), lazy: `join` keeps the prompt's target features and
-  `commit` those of the kept entries (`EagleState.features`, by position) and feeds nothing; `propose`,
-  which runs only when the step drafts, first feeds each running row the pairs from its head-cache
-  length up to L - 2 (`catch_up`: the prompt, then whatever the steps since its last draft kept), which
-  leaves the root. A step at gamma 0 runs no head forward at all.
-- graphed stepper (CUDA graphs; batch.static), eager: `join` runs the head over the prompt and
-  `commit` feeds the pairs the last step kept (always depth + 1 of them; the cache length masks the
-  extra ones) right away, at gamma 0 too, so the head is in step at every step and every shape is fixed
-  by the tree configuration: propose and commit are captured in CUDA graphs.
+- eager stepper on the CPU (`catches_up(batch)`), in gaps: `join` stores the prompt's features and
+  feeds nothing; a catch-up feeds each row exactly its gap (the prompt, at its first draft).
+- any other stepper (graphed ones, and eager ones on a GPU), in chunks: `join` runs the head over the
+  prompt; a catch-up is one fixed-width forward (`chunk_width`: at least depth + 1, what a drafting step
+  keeps), and the host runs more before a propose after a long stretch at gamma 0 (`Lag`, run by
+  Stepper.launch), so every shape is fixed by the tree configuration: propose and commit are captured
+  in CUDA graphs.
+
+On an H200 (bf16, default model) the head fed at every commit made a gamma-0 step cost about 5 % more
+than a plain one, which out of domain, where the cost policy hardly drafts, held EAGLE below plain
+(docs/design.md, "Lazy drafter state").
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from torch import Tensor
 
 from specdec.config import NgramConfig
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
-from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
+from specdec.drafters.catch_up import Lag, catches_up, chunk_width, feed_chunk, feed_gaps
 from specdec.drafters.ngram import find_continuations, ngram_config
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
@@ -107,7 +113,8 @@ class EagleTreeConfig:
 class EagleState:
     cache: KVCache  # the head's, one row per slot
     root: Tensor  # [B, D] the head's feature for each row's pending token
-    features: Tensor | None = None  # [B, S, Dm] lazy state only: the target's feature at each position, to feed
+    features: Tensor  # [B, S + depth, Dm] the target's feature at each position, to feed (past S: scratch, keep_features)
+    lag: Lag | None = None  # a chunked catch-up's host-side bound; None: in gaps (catch_up.py)
 
 
 class EagleDrafter:
@@ -132,22 +139,21 @@ class EagleDrafter:
         return DraftShape(width=width, depth=depth, tree=True)
 
     def attach(self, batch) -> None:
-        """The head's cache, with room for the tree's scratch entries (and, when lazy, a catch-up's padding)."""
+        """The head's cache, with room for the tree's scratch entries and a catch-up's padding; the features."""
         B, D = batch.capacity, self.head.config.hidden_size
-        lazy = catches_up(batch)
-        spare = max(self.tree.depth * self.tree.frontier, SHORT_GAP if lazy else 0)
-        cache = self.head.new_cache(B, batch.max_len + spare, static=batch.static)
+        width = chunk_width(self.tree.depth)
+        cache = self.head.new_cache(B, batch.max_len + max(self.tree.depth * self.tree.frontier, width), static=batch.static)
         dtype = self.head.layers[0].post_attention_layernorm.weight.dtype
         root = torch.zeros(B, D, dtype=dtype, device=batch.device)
-        features = torch.zeros(B, batch.max_len, self.head.feature_width, dtype=dtype, device=batch.device) if lazy else None
-        batch.draft = EagleState(cache, root, features)
+        features = torch.zeros(B, batch.max_len + self.tree.depth, self.head.feature_width, dtype=dtype, device=batch.device)
+        batch.draft = EagleState(cache, root, features, None if catches_up(batch) else Lag(width))
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
-        """Lazy: keep the prompts' features for the first catch-up. Eager: feed the prompts' pairs (feature at
-        t, token t+1), the last one pairing with the first token."""
+        """In gaps: keep the prompts' features for the first catch-up. In chunks: feed the prompts' pairs
+        (feature at t, token t+1), the last one pairing with the first token."""
         state, lengths = batch.draft, batch.prompt_length[slots]  # [n]
         n, T = hidden.shape[:2]
-        if state.features is not None:
+        if state.lag is None:
             state.features[slots, :T] = hidden.to(state.features.dtype)
             state.cache.lengths.index_fill_(0, slots, 0)
             return
@@ -160,41 +166,34 @@ class EagleDrafter:
         state.root[slots] = out[torch.arange(n, device=hidden.device), lengths - 1]
 
     def commit(self, batch, verified: Verified) -> None:
-        """Lazy: keep the target's features of the kept entries. Eager: feed their pairs (feature at the
-        entry, the token after it) and keep the head's feature of the new pending token; rows that did not
-        take part write only past their cache length."""
-        if batch.draft.features is not None:
-            keep_features(batch, verified)
-            return
-        state = batch.draft
-        pairs = fused.run_compiled(pairs_kept, verified.kept, verified.accepted, batch.length, state.cache.lengths,
-                                  batch.tokens, verified.hidden.shape[1])
-        out = self.head.features(self.head.project(verified.hidden.to(state.root.dtype)), pairs.next_tokens, pairs.positions, state.cache)  # [B, W, D]
-        fused.run_compiled(keep_root, out, pairs, state.cache.lengths, state.root)
+        """Keep the target's features of the kept entries, for the next catch-up."""
+        keep_features(batch.draft.features, verified.hidden, verified.kept, batch.length)
 
     def catch_up(self, batch) -> None:
-        """Lazy state: feed every running row the pairs from its head-cache length up to L - 2 (one forward
-        for the rows a step or a few behind, one per row further behind) and take the root from the last."""
+        """Feed every running row the pairs from its head-cache length up to L - 2 (in gaps: all of them; in
+        chunks: up to Lag.width) and take the root from the last."""
         state = batch.draft
         gap = torch.where(batch.active, batch.length - 1 - state.cache.lengths, 0).clamp(min=0)  # [B] pairs to feed
 
         def feed(cache: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
-            top = batch.max_len - 1
+            top = state.features.shape[1] - 1  # (a row's positions past its gap are scratch)
             features = state.features[rows].gather(1, positions.clamp(max=top)[..., None].expand(-1, -1, state.features.shape[-1]))
             features = self.head.project(features)  # [n, w, D]
-            next_tokens = batch.tokens[rows].gather(1, (positions + 1).clamp(max=top))  # [n, w]
+            next_tokens = batch.tokens[rows].gather(1, (positions + 1).clamp(max=batch.max_len - 1))  # [n, w]
             out = self.head.features(features, next_tokens, positions, cache)  # [n, w, D]
             return out[torch.arange(out.shape[0], device=out.device), last]  # [n, D]
 
-        fed = feed_gaps(state.cache, gap, feed)
+        if state.lag is None:
+            fed = feed_gaps(state.cache, gap, feed)
+        else:
+            fed = feed_chunk(state.cache, gap, feed, state.lag.width)
         if fed is not None:
             state.root.copy_(torch.where((gap > 0)[:, None], fed, state.root))
 
     @torch.inference_mode()
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         depth = self.shape(gamma).depth
-        if batch.draft.features is not None:
-            self.catch_up(batch)
+        self.catch_up(batch)
         tokens, parents = self.grow(batch.draft.root, batch, depth)
         bound, chain = depth_bound(depth, self.tree.depth, batch.device), self.tree.chain(depth)
         if not chain:
@@ -229,50 +228,30 @@ class EagleDrafter:
         return fused.run_compiled(finish_tree, *children, frontier, d2t, levels, cfg.total_tokens)
 
 
-@dataclass
-class Pairs:
-    """The pairs an eager commit feeds the head: the kept entries' (feature, next token) at their positions."""
-
-    took_part: Tensor  # [B] rows that took part in the step
-    count: Tensor  # [B] kept entries: the old pending token and the accepted drafts
-    start: Tensor  # [B] the first pair's position (a row that did not take part: its head-cache length)
-    positions: Tensor  # [B, W]
-    next_tokens: Tensor  # [B, W] the token after each position
-
-
-def pairs_kept(kept: Tensor, accepted: Tensor, length: Tensor, head_length: Tensor, tokens: Tensor, W: int) -> Pairs:
-    """The pairs to feed after a step (kept, accepted [B] from Verified; length [B] the rows' lengths after it;
-    head_length [B] the head cache's; tokens [B, S] the rows'); W: the entries the step returns features of.
-    Sets head_length to the first pair's position (in place), where the head writes them; rows that did not
-    take part write only past their cache length."""
-    took_part = kept > 0
-    count = accepted + 1
-    start = torch.where(took_part, length - count - 1, head_length)
-    positions = start[:, None] + torch.arange(W, device=kept.device)
-    next_tokens = tokens.gather(1, (positions + 1).clamp(max=tokens.shape[1] - 1))
-    head_length.copy_(start)
-    return Pairs(took_part, count, start, positions, next_tokens)
+def keep_features(features: Tensor, hidden: Tensor, kept: Tensor, length: Tensor) -> None:
+    """Store the target's features of the entries each row kept (hidden [B, W, Dm]: the old pending token and
+    its accepted drafts first; kept [B], 0 for a row not in the step) at their positions L - kept - 1 ..
+    L - 2 (length [B]: L after the step), in features [B, S + W - 1, Dm]; every other entry keeps its bits
+    (a row not in the step must not change). On the CPU a slice copy per row (the host reads kept without
+    waiting for a device), elsewhere graph-safe and compiled (`keep_features_indexed`; its eight kernels
+    eagerly made a gamma-0 step 2.5 % dearer than a plain one on an H200): on the 2-core CPU the slice
+    copies took 10 us a step at one row and 111 us at 16, the indexed write 42 and 122."""
+    if features.device.type != "cpu":
+        fused.run_compiled(keep_features_indexed, features, hidden, kept, length)
+        return
+    for b, (k, L) in enumerate(zip(kept.tolist(), length.tolist())):
+        if k:
+            features[b, L - k - 1 : L - 1] = hidden[b, :k]
 
 
-def keep_root(out: Tensor, pairs: Pairs, head_length: Tensor, root: Tensor) -> None:
-    """After the head read the pairs (out [B, W, D]): each row that took part keeps its count entries and the
-    head's feature of its new pending token (the next tree's root), in place."""
-    W = out.shape[1]
-    head_length.copy_(torch.where(pairs.took_part, pairs.start + pairs.count, pairs.start))
-    last = out.gather(1, (pairs.count - 1).clamp(max=W - 1)[:, None, None].expand(-1, 1, out.shape[-1])).squeeze(1)
-    root.copy_(torch.where(pairs.took_part[:, None], last, root))
-
-
-def keep_features(batch, verified: Verified) -> None:
-    """Lazy state (eager steppers, on the CPU): store the target's features of the entries each row kept
-    (the old pending token and its accepted drafts, cut where the row stopped) at their positions,
-    L - kept - 1 .. L - 2 (L after the step): the pairs' features for the next catch-up. One slice copy per
-    row that kept any: gathering every row's entries by index (nonzero, then an indexed write) took 94 us a
-    step at one row on the 2-core VM against 15 us (alike at 16 rows), paid even when nothing is drafted."""
-    features, hidden = batch.draft.features, verified.hidden  # [B, S, D], [B, W, D]
-    for b, (kept, length) in enumerate(zip(verified.kept.tolist(), batch.length.tolist())):  # kept 0: not in the step
-        if kept:
-            features[b, length - kept - 1 : length - 1] = hidden[b, :kept]
+def keep_features_indexed(features: Tensor, hidden: Tensor, kept: Tensor, length: Tensor) -> None:
+    """keep_features as a gather and one indexed write: no host synchronisation, fixed shapes."""
+    B, W = hidden.shape[:2]
+    offsets = torch.arange(W, device=hidden.device)
+    positions = ((length - kept - 1)[:, None] + offsets).clamp(min=0)  # [B, W] (a slot never held: 0)
+    rows = torch.arange(B, device=hidden.device)[:, None].expand(B, W)
+    new = torch.where((offsets < kept[:, None])[..., None], hidden.to(features.dtype), features[rows, positions])
+    features.index_put_((rows, positions), new)
 
 
 @dataclass
