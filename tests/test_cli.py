@@ -134,6 +134,11 @@ def broken_checkpoint(tmp_path, kind: str):
         path.write_bytes(b"not a GGUF file at all" * 10)
         return path
     folder = save_hf(build_hf(), tmp_path / "broken")
+    if kind.startswith("config"):
+        config = json.loads((folder / "config.json").read_text())
+        del config["num_attention_heads"]
+        (folder / "config.json").write_text("{not json" if kind == "config-not-json" else json.dumps(config))
+        return folder
     weights = next(folder.glob("*.safetensors"))
     state = load_file(str(weights))
     name = "model.layers.0.mlp.down_proj.weight"
@@ -153,6 +158,8 @@ def broken_checkpoint(tmp_path, kind: str):
     ("misshapen", "layers.0.mlp.down_proj.weight is [64, 3], the config implies [64, 128]"),
     ("corrupt", "is not a readable safetensors file"),
     ("not-gguf", "is not a readable GGUF model"),
+    ("config-not-json", "config.json is not readable JSON (JSONDecodeError"),
+    ("config-lacks-a-key", "the model's config.json lacks num_attention_heads"),
 ])
 def test_a_broken_checkpoint_is_one_clear_line(capsys, tmp_path, kind, message):
     code, _, err = run_cli(capsys, "generate", "hi", "--model", str(broken_checkpoint(tmp_path, kind)), "--device", "cpu")

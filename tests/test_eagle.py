@@ -5,6 +5,8 @@ matches plain sampling's distribution; a head saved and loaded back gives the sa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import specdec
 from conftest import tiny_pair
 from specdec import SamplingParams
 from specdec.drafters import DrafterOptions
+from specdec.errors import UserError
 from specdec.drafters.eagle import (EagleDrafter, EagleTreeConfig, graft_chain, keep_features, keep_features_indexed, rank_order,
                                    select_tree, top_indices, tree_config)
 from specdec.models import kernels
@@ -137,6 +140,39 @@ def test_a_grafted_lookup_is_accepted_where_the_head_is_not(models):  # noqa: F8
     assert runs[5].stats.accepted > 2 * max(runs[0].stats.accepted, 1)
     nodes_per_step = {k: r.stats.draft_nodes / r.stats.decode_steps for k, r in runs.items()}
     assert nodes_per_step[5] > nodes_per_step[0]  # the grafted nodes are counted
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no-config", "no config.json (not an EAGLE head folder)"),
+    ("config-lacks-a-key", "config.json lacks hidden_size"),
+    ("misshapen", "model.safetensors does not match its config.json: fc.weight is"),
+    ("corrupt", "is not a readable safetensors file"),
+    ("no-d2t", "weights missing from the EAGLE head: ['d2t']"),
+])
+def test_a_broken_head_folder_is_one_user_error(models, tmp_path, kind, message):  # noqa: F811
+    """What `--eagle-head DIR` reads: each way a folder can be broken is one UserError naming it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target, _, _ = models
+    folder = tmp_path / "head"
+    save_eagle_head(random_head(target, draft_vocab=32), folder)
+    weights, config = folder / "model.safetensors", json.loads((folder / "config.json").read_text())
+    state = load_file(str(weights))
+    if kind == "no-config":
+        (folder / "config.json").unlink()
+    elif kind == "config-lacks-a-key":
+        del config["hidden_size"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif kind == "misshapen":
+        save_file({**state, "fc.weight": state["fc.weight"][:, :5].contiguous()}, str(weights))
+    elif kind == "corrupt":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        save_file({k: v for k, v in state.items() if k != "d2t"}, str(weights))
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_eagle_head(folder)
 
 
 def test_eagle_registered_and_saved_head_round_trips(models, tmp_path):  # noqa: F811

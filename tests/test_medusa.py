@@ -22,7 +22,8 @@ from specdec.errors import UserError
 from safetensors.torch import load_file
 
 from specdec.cli import main
-from specdec.models.medusa import MedusaConfig, MedusaHeads, export_medusa, load_medusa_heads, read_config, save_medusa_heads
+from specdec.models.checkpoint import read_config
+from specdec.models.medusa import MedusaConfig, MedusaHeads, export_medusa, load_medusa_heads, save_medusa_heads
 from specdec.train import medusa as train_medusa
 from test_engine import MAX_NEW, PROMPTS, models, plain  # noqa: F401  (fixtures)
 from test_train_eagle import setup  # noqa: F401  (fixture: a tiny target and features of its own continuations)
@@ -122,7 +123,7 @@ def test_saved_heads_load_and_propose_the_same(models, tmp_path):  # noqa: F811
             assert torch.equal(loaded.state_dict()[name], a.half().float()), name
     size = sum(f.stat().st_size for f in (tmp_path / "heads").iterdir())
     assert size < 4 * 4 * (64 * 64 + 64) * 2 + 32 * 8 + 4096  # float16 blocks and d2t only: no LM head
-    assert tree_for(None, loaded, read_config(tmp_path / "heads")).paths == MedusaTree.of(SMALL_TREE, 4).paths  # the stored tree
+    assert tree_for(None, loaded, read_config(tmp_path / "heads", "a Medusa heads folder")).paths == MedusaTree.of(SMALL_TREE, 4).paths  # the stored tree
     options = DrafterOptions(extra={"medusa_path": str(tmp_path / "heads")})
     engine = specdec.SpecEngine(target, "medusa", options)
     on_cpu = next(target.parameters()).device.type == "cpu"

@@ -29,18 +29,17 @@ logits are -inf elsewhere (q = 0 there: still lossless, and Vd rows cost Vd/V of
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
 from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
 from specdec.drafters.shipped import trained_folder
-from specdec.errors import UserError
+from specdec.errors import UserError, first_line
 from specdec.kv_cache import KVCache
+from specdec.models.checkpoint import check_shapes, read_config, read_weights
 from specdec.models.linear import take_rows, use_cpu_kernels
 from specdec.models.llama import LlamaModel, ModelConfig, ModelOutput
 from specdec.models.views import follow_kernels
@@ -180,8 +179,8 @@ class SharedDraftModel(LlamaModel):
 
 
 def is_shared_draft(name: str) -> bool:
-    config = Path(name).expanduser() / "config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("specdec_shared_embeddings"))
+    folder = Path(name).expanduser()
+    return (folder / "config.json").is_file() and bool(read_config(folder, "a draft model folder").get("specdec_shared_embeddings"))
 
 
 def load_shared_draft(folder: str | Path, target) -> SharedDraftModel:
@@ -189,14 +188,12 @@ def load_shared_draft(folder: str | Path, target) -> SharedDraftModel:
     from specdec.models.loading import fuse_hf_weights
 
     folder = Path(folder).expanduser()
-    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    config = ModelConfig.from_hf(read_config(folder, "a draft model folder"))
     t = target.config
     if (config.vocab_size, config.hidden_size) != (t.vocab_size, t.hidden_size):
         raise UserError(f"{folder}: this draft was trained for another target (vocabulary or width differ)")
-    if not (folder / "model.safetensors").exists():
-        raise UserError(f"{folder}: no model.safetensors")
     p = next(target.parameters())
-    state = load_file(str(folder / "model.safetensors"))
+    state = read_weights(folder / "model.safetensors")
     d2t = state.pop("d2t", None)
     state["model.embed_tokens.weight"] = target.embed_tokens.weight  # for the name mapping only: borrowed below
     state["lm_head.weight"] = target.lm_head.weight
@@ -204,9 +201,12 @@ def load_shared_draft(folder: str | Path, target) -> SharedDraftModel:
         fused = fuse_hf_weights(state, config)
     except KeyError as e:
         raise UserError(f"{folder}: draft weights missing from model.safetensors ({e})") from None
+    except RuntimeError as e:  # torch.cat of q/k/v or gate/up pieces of the wrong widths
+        raise UserError(f"{folder}/model.safetensors does not match its config.json: {first_line(e)}") from None
     with torch.device("meta"):
         draft = SharedDraftModel(config)
     own = {k: v.to(device=p.device, dtype=p.dtype) for k, v in fused.items() if k.startswith(("layers.", "norm."))}
+    check_shapes(own, draft.state_dict(), f"{folder}/model.safetensors")
     draft.load_state_dict(own, assign=True, strict=False)
     borrow_target_weights(draft, target, None if d2t is None else d2t.long())
     use_cpu_kernels(draft.layers)

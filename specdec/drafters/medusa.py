@@ -29,7 +29,8 @@ from torch import Tensor
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, prompt_last, register
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError
-from specdec.models.medusa import MedusaHeads, load_medusa_heads, read_config
+from specdec.models.checkpoint import read_config
+from specdec.models.medusa import MedusaHeads, load_medusa_heads
 from specdec.sampling import topk_wide
 from specdec.verify import TreeSpec, depth_bound
 
@@ -167,6 +168,6 @@ def build(target, options: DrafterOptions) -> MedusaDrafter:
         path = trained_folder("medusa", target, path, "--medusa-heads")
         heads = load_medusa_heads(path)
     if path is not None:
-        stored = read_config(Path(path))
+        stored = read_config(Path(path), "a Medusa heads folder")
     on_cpu = next(target.parameters()).device.type == "cpu"
     return MedusaDrafter(target, heads, tree_for(options.extra.get("medusa_tree"), heads, stored, on_cpu))

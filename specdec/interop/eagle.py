@@ -37,6 +37,7 @@ from torch import Tensor
 
 from specdec.errors import UserError
 from specdec.interop.schema import D2T_FILE, REFERENCE_D2T
+from specdec.models.checkpoint import read_config
 from specdec.models.eagle import EagleConfig, EagleHead
 from specdec.models.linear import float_weight
 
@@ -189,9 +190,7 @@ def import_eagle(folder: str | Path) -> EagleHead:
     from specdec.interop.schema import detect
 
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: no config.json (not an EAGLE head folder)")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder, "an EAGLE head folder")
     if config.get("specdec_drafter") == "eagle":
         from specdec.models.eagle import load_eagle_head
 

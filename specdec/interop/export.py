@@ -22,9 +22,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specdec.errors import UserError
+from specdec.models.checkpoint import read_config, read_weights
 from specdec.interop.schema import (
     D2T_FILE,
     KINDS,
@@ -152,7 +153,7 @@ def load_target(args: argparse.Namespace, kind: str, source: Path, shipped: bool
     from specdec.models import load_model
 
     target = load_model(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf)
-    config = json.loads((source / "config.json").read_text())
+    config = read_config(source, "a trained drafter folder")
     want = (config.get("vocab_size"), config.get("hidden_size"))
     have = (target.config.vocab_size, target.config.hidden_size)
     if want != have:
@@ -202,8 +203,8 @@ def export_draft_hf(source: Path, target, out: Path) -> list[str]:
     from specdec.interop.eagle import half
     from specdec.models.linear import float_weight
 
-    config = json.loads((source / "config.json").read_text())
-    state = load_file(str(source / "model.safetensors"))
+    config = read_config(source, "a draft model folder")
+    state = read_weights(source / "model.safetensors")
     d2t = state.pop("d2t", None)
     tied = bool(target.config.tie_word_embeddings)
     hf = {k: v for k, v in config.items() if not k.startswith("specdec_") and k != "target_probe"}

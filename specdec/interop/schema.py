@@ -130,6 +130,7 @@ from typing import Callable
 import torch
 
 from specdec.errors import UserError
+from specdec.models.checkpoint import read_config
 
 D2T_FILE = "hot_token_ids.pt"  # torch.save'd list of target ids (SGLang: --speculative-token-map FILE)
 REFERENCE_D2T = "draft_vocab.safetensors"  # specdec.train.eagle.export_reference's d2t sidecar
@@ -817,12 +818,7 @@ def detect(folder: str | Path) -> tuple[str, str]:
                 return m["kind"], m["layout"]
         except (json.JSONDecodeError, AttributeError):
             pass
-    if not (folder / "config.json").is_file():
-        raise UserError(f"{folder}: no config.json (not a drafter folder)")
-    try:
-        c = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{folder}/config.json: not JSON ({e.msg}, line {e.lineno})") from None
+    c = read_config(folder, "a drafter folder")
     archs = c.get("architectures") or []
     if c.get("speculators_model_type") == "eagle3":
         return "eagle3", "speculators"

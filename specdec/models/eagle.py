@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from specdec.errors import UserError
 
 from specdec.kv_cache import KVCache
+from specdec.models.checkpoint import load_weights, read_config, read_weights, require_keys
 from specdec.models import cpu_gemm
 from specdec.models.cpu_quant import QuantizedEmbedding
 from specdec.models.linear import Linear, quantize_blocks, take_rows, use_cpu_kernels
@@ -175,13 +176,14 @@ def save_eagle_head(head: EagleHead, folder: Path, extra: dict | None = None, dt
 
 def load_eagle_head(folder: str | Path) -> EagleHead:
     folder = Path(folder)
-    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
-        raise UserError(f"{folder} is not an EAGLE head folder (config.json + model.safetensors)")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder, "an EAGLE head folder")
+    require_keys(config, EagleConfig.__dataclass_fields__, f"{folder}/config.json")
     head = EagleHead(EagleConfig(**{k: config[k] for k in EagleConfig.__dataclass_fields__}))
-    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    state = {k: v.float() for k, v in read_weights(folder / "model.safetensors").items()}
+    if "d2t" not in state:
+        raise UserError(f"{folder}: weights missing from the EAGLE head: ['d2t']")
     state["d2t"] = state["d2t"].long()
-    missing = head.load_state_dict(state, strict=False).missing_keys
+    missing = load_weights(head, state, f"{folder}/model.safetensors")
     if any(not k.startswith("lm_head.") for k in missing):
         raise UserError(f"{folder}: weights missing from the EAGLE head: {missing[:5]}")
     return head

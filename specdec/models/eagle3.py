@@ -38,11 +38,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache
+from specdec.models.checkpoint import load_weights, read_config, read_weights, require_keys
 from specdec.models.cpu_quant import QuantizedEmbedding
 from specdec.models.eagle import EagleConfig, follow_target_kernels
 from specdec.models.linear import Linear, float_weight
@@ -195,16 +196,18 @@ def save_eagle3_head(head: Eagle3Head, folder: Path, extra: dict | None = None, 
 
 def load_eagle3_head(folder: str | Path) -> Eagle3Head:
     folder = Path(folder)
-    if not (folder / "config.json").exists() or not (folder / "model.safetensors").exists():
-        raise UserError(f"{folder} is not an EAGLE-3 head folder (config.json + model.safetensors)")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_config(folder, "an EAGLE-3 head folder")
     if config.get("specdec_drafter") != "eagle3":
         raise UserError(f"{folder} holds a {config.get('specdec_drafter', 'non-specdec')} drafter, not an EAGLE-3 head "
                         "(`specdec train eagle3` writes one; `specdec export --check` reads other layouts)")
+    require_keys(config, Eagle3Config.__dataclass_fields__, f"{folder}/config.json")
     head = Eagle3Head(Eagle3Config.from_dict(config))
-    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    state = {k: v.float() for k, v in read_weights(folder / "model.safetensors").items()}
+    if "d2t" not in state:
+        raise UserError(f"{folder}: weights missing from the EAGLE-3 head: ['d2t']")
     state["d2t"] = state["d2t"].long()
-    result = head.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise UserError(f"{folder}: weights missing from the EAGLE-3 head or unknown: {(result.missing_keys + result.unexpected_keys)[:5]}")
+    missing = load_weights(head, state, f"{folder}/model.safetensors")
+    unknown = sorted(set(state) - set(head.state_dict()))
+    if missing or unknown:
+        raise UserError(f"{folder}: weights missing from the EAGLE-3 head or unknown: {(missing + unknown)[:5]}")
     return head

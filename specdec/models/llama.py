@@ -32,12 +32,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.errors import UserError
 from specdec.kv_cache import KVCache, write_kv
+from specdec.models.checkpoint import require_keys
 from specdec.models.linear import Linear
 from specdec.models import cpu_attention, cpu_layer, fused, kernels
 from specdec.models.rope import build_rope, rope_cos_sin
 from specdec.models.tensor_parallel import SINGLE, Shard, Split, padded_share
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")  # config.json
 # Eager forwards skip cuDNN attention: it builds an execution plan per new shape, and an eager forward
 # over a growing cache (a draft model, an EAGLE head) meets a new shape every step (measured on an
 # H200: ~100 ms a step). Graph captures (fixed shapes, inside fused.fusing()) keep it: it is fastest there.
@@ -76,6 +78,7 @@ class ModelConfig:
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
         theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        require_keys(d, HF_REQUIRED, "the model's config.json")
         heads = d["num_attention_heads"]
         window = d.get("sliding_window")
         layer_types = d.get("layer_types") or ()

@@ -22,10 +22,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specdec.errors import UserError, first_line
 from specdec.paths import cache_root
+from specdec.models.checkpoint import check_shapes, read_config, read_weights
 from specdec.models.kernels import CHOICES as KERNEL_CHOICES, say_once, use_kernels
 from specdec.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, ModelConfig
 from specdec.models.tensor_parallel import SINGLE, Shard, shard_state
@@ -111,7 +112,7 @@ def load_gguf(path: Path, dtype: torch.dtype, kernels: str):
     from specdec.models.gguf_native import load_gguf_native
 
     folder = gguf_folder(path, weights=False)
-    model = load_gguf_native(path, json.loads((folder / "config.json").read_text()), dtype)
+    model = load_gguf_native(path, read_config(folder, "a dequantised GGUF folder"), dtype)
     use_kernels(model, kernels)
     model.tokenizer = load_tokenizer(folder)
     model.name, model.gguf = str(folder), path
@@ -253,7 +254,7 @@ def write_gguf_weights(path: Path, folder: Path) -> None:
 
 def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend: str = "auto", kernels: str = "auto",
                 shard: Shard = SINGLE):
-    config_dict = json.loads((folder / "config.json").read_text())
+    config_dict = read_config(folder, "a model folder")
     native = config_dict.get("model_type", "llama") in SUPPORTED_MODEL_TYPES
     if shard.parallel and not native:
         raise UserError(f"tensor parallelism (--tp) runs native Llama-family models; {config_dict.get('model_type')!r} is not one")
@@ -278,20 +279,8 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{folder} has no .safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        try:
-            state.update(load_file(f))
-        except Exception as e:  # safetensors raises its own SafetensorError for a corrupt header or body
-            raise UserError(f"{f} is not a readable safetensors file ({type(e).__name__}: {first_line(e)})") from None
+        state.update(read_weights(f))
     return state
-
-
-def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """UserError naming the checkpoint's tensors whose shapes differ from what the config implies."""
-    wrong = [f"{k} is {list(state[k].shape)}, the config implies {list(v.shape)}"
-             for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    if wrong:
-        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-        raise UserError(f"the checkpoint does not match its config.json: {'; '.join(wrong[:3])}{more}")
 
 
 def build_native(config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,

@@ -38,10 +38,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from specdec.errors import UserError
+from specdec.models.checkpoint import read_config, read_weights, require_keys
 from specdec.models.linear import Linear, float_weight, take_rows, use_cpu_kernels
 
 REFERENCE_FILE = "medusa_lm_head.safetensors"
@@ -117,25 +118,19 @@ def save_medusa_heads(heads: MedusaHeads, folder: Path, extra: dict | None = Non
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.exists():
-        raise UserError(f"{folder} has no config.json: not a Medusa heads folder")
-    return json.loads(path.read_text())
-
-
 def load_medusa_heads(folder: str | Path) -> MedusaHeads:
     """Heads from specdec's format or from an export in either layout (see the module docstring)."""
     folder = Path(folder)
-    config = read_config(folder)
+    config = read_config(folder, "a Medusa heads folder")
     if (folder / REFERENCE_FILE).exists():
         return import_reference(folder, config)
     if config.get("model_type") == "medusa":
         return import_vllm(folder, config)
     if config.get("specdec_drafter") != "medusa" or not (folder / "model.safetensors").exists():
         raise UserError(f"{folder} is not a Medusa heads folder (specdec, Medusa or vLLM layout)")
+    require_keys(config, MedusaConfig.__dataclass_fields__, f"{folder}/config.json")
     heads = MedusaHeads(MedusaConfig(**{k: config[k] for k in MedusaConfig.__dataclass_fields__}))
-    state = load_file(str(folder / "model.safetensors"))
+    state = read_weights(folder / "model.safetensors")
     load_blocks(heads, {k: v for k, v in state.items() if k != "d2t"}, folder)
     if "d2t" not in state or state["d2t"].shape != (heads.config.draft_vocab_size,):
         raise UserError(f"{folder}: d2t missing or not of draft_vocab_size {heads.config.draft_vocab_size}")
@@ -191,7 +186,7 @@ def vllm_block_name(name: str) -> str:
 
 def import_reference(folder: Path, config: dict) -> MedusaHeads:
     """FasterDecoding/Medusa's folder: config.json + medusa_lm_head.safetensors (full-vocabulary heads)."""
-    state = load_file(str(folder / REFERENCE_FILE))
+    state = read_weights(folder / REFERENCE_FILE)
     K, L = config.get("medusa_num_heads"), config.get("medusa_num_layers", 1)
     if K is None or f"0.{L}.weight" not in state:
         raise UserError(f"{folder}: not a Medusa reference checkpoint (medusa_num_heads, {{k}}.{L}.weight)")
@@ -204,7 +199,7 @@ def import_reference(folder: Path, config: dict) -> MedusaHeads:
 
 def import_vllm(folder: Path, config: dict) -> MedusaHeads:
     """vLLM's Medusa folder: config.json (model_type medusa) + model.safetensors (blocks, lm_heads, token_map)."""
-    state = load_file(str(folder / "model.safetensors"))
+    state = read_weights(folder / "model.safetensors")
     K, L = config["num_heads"], config.get("num_hidden_layers", 1)
     D, V = config["hidden_size"], config["vocab_size"]
     token_map = state.get("token_map")

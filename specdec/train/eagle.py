@@ -62,6 +62,7 @@ from tqdm import tqdm
 
 from specdec.batch import eos_ids
 from specdec.errors import UserError
+from specdec.models.checkpoint import read_config, require_keys
 from specdec.models.eagle import EagleConfig, EagleHead, save_eagle_head
 from specdec.models.linear import float_weight
 from specdec.train.common import (
@@ -378,9 +379,8 @@ def import_reference(folder: str | Path) -> EagleHead:
     """An EagleHead (float32) from a reference-layout folder: ours, or an EAGLE-1/2 release with one
     Llama layer (model.safetensors or pytorch_model.bin); full vocabulary unless draft_vocab.safetensors."""
     folder = Path(folder)
-    if not (folder / "config.json").exists():
-        raise UserError(f"{folder}: no config.json (not an EAGLE head folder)")
-    d = json.loads((folder / "config.json").read_text())
+    d = read_config(folder, "an EAGLE head folder")
+    require_keys(d, ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"), f"{folder}/config.json")
     if d.get("num_hidden_layers", 1) != 1 or d.get("hidden_act", "silu") != "silu" or d.get("rope_scaling"):
         raise UserError(f"{folder}: specdec's EAGLE head is one Llama layer (silu, no RoPE scaling)")
     weights = read_reference_weights(folder)
