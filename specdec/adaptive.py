@@ -15,7 +15,9 @@ Policies (per row of a batch):
   steps of that gamma (StepSeconds, shared with the server's policy): a tree's verification on a CPU
   costs more than its forward, and predicting from forwards alone kept Medusa drafting out of domain.
   The engine's `cost` probes depth now and then (CostModel.probe): a few steps at gamma_max, so that
-  depths it stopped drafting are counted again.
+  depths it stopped drafting are counted again; and a row it has kept at gamma 0 drafts once now and
+  then (`retry`), priced afresh from that step, so that a row whose first drafts failed is not kept
+  plain for the rest of its request.
 A fixed gamma is the `fixed` policy.
 """
 
@@ -51,6 +53,18 @@ DRAFT_SAMPLES = 64  # drafting steps whose median seconds per draft token is the
 # `off` where both run plain steps only), while between plain steps only the pooled estimate's decay and
 # the step medians move, slowly.
 REPRICE_EVERY = 8
+# A row the engine's `cost` keeps at gamma 0 gets no new counts, and its first drafts' failures price it plain
+# for the rest of its request: on an H200 (bf16, out of domain) six of eight translation prompts drafted 2-8
+# steps at their start, kept nothing, and ran plain for 120 steps at 0.96-0.99x, where gamma 4 gave 1.04-1.87x
+# (tau 1.84-3.34): the opening of a translation is hard to guess, the rest is not. So after a run of plain
+# steps it drafts once at RETRY_GAMMA, its earlier counts dropped (`retry`). The run is long enough that failed
+# retries cost at most RETRY_SHARE of its plain steps (a retry's extra cost over a plain step, over that share),
+# and at least RETRY_MIN_WAIT steps; it doubles after each retry, until the row chooses to draft again. At 2 %
+# `layer_skip` on the 2-core CPU (a retry: about 1.9 plain steps more than a plain one) retried once in each
+# 128-token request out of domain (0.04 tokens drafted a step against 0.02); at 1 % it waits about 190 steps.
+RETRY_GAMMA = 2
+RETRY_SHARE = 0.01
+RETRY_MIN_WAIT = 16
 
 
 @dataclass
@@ -255,6 +269,7 @@ class CostModel:
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
     c: float = 0.0  # seconds of a draft token / t1: draft_seen's median, kept (asked at every gamma of every step)
+    c_seen: float = 0.0  # the last c measured, kept when c is forgotten: what a row's retry costs (retry_wait)
     probe_left: int = 0  # steps left of a deep probe (`probe`): every row drafts gamma_max
     since_deep: int = 0  # drafting steps since one at gamma_max
     probe_after: int = EXPLORE_EVERY  # drafting steps below gamma_max before the next probe (EXPLORE_*)
@@ -262,7 +277,7 @@ class CostModel:
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
             self.draft_seen.append(seconds / tokens)
-            self.c = statistics.median(self.draft_seen) / self.t1
+            self.c = self.c_seen = statistics.median(self.draft_seen) / self.t1
 
     def predicted_cost(self, B: int, gamma: int) -> float:
         """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B)."""
@@ -341,6 +356,8 @@ class GammaPolicy:
     cost: CostModel | None = None  # `cost`
     rows: list[int] = field(default_factory=list)  # current gamma per row (heuristic)
     unpriced: list[int | None] = field(default_factory=list)  # `cost`: plain steps a row chose unpriced since gamma 0 won
+    plain_run: list[int] = field(default_factory=list)  # `cost`: plain steps chosen for a row in a row (retry)
+    retries: list[int] = field(default_factory=list)  # `cost`: a row's retries since it last chose to draft
     counts: Acceptance = field(default_factory=lambda: Acceptance.empty(0, 1))  # per row of the call
     rates: np.ndarray | None = None  # [rows, gamma_max] acceptance() of every row, until the next observe
 
@@ -356,6 +373,7 @@ class GammaPolicy:
     def start(self, batch_size: int) -> None:
         self.rows = [self.gamma] * batch_size
         self.unpriced = [None] * batch_size
+        self.plain_run, self.retries = [0] * batch_size, [0] * batch_size
         self.counts = Acceptance.empty(batch_size, self.gamma_max)
         self.rates = None
         if self.cost is not None:
@@ -370,13 +388,34 @@ class GammaPolicy:
         if self.name == "confidence":
             return self.gamma_max
         if self.cost.probing:  # CostModel.probe
+            self.plain_run[b] = 0
             return self.gamma_max
+        run = self.plain_run[b]
+        if run >= RETRY_MIN_WAIT and run >= retry_wait(self.cost, min(RETRY_GAMMA, self.gamma_max), self.retries[b]):
+            return self.retry(b)
+        gamma = self.price(b)
+        self.plain_run[b] = 0 if gamma else self.plain_run[b] + 1
+        return gamma
+
+    def price(self, b: int) -> int:
+        """`cost`'s choice for row b: the best gamma for its acceptance, or 0 unpriced (REPRICE_EVERY)."""
         if self.unpriced[b] is not None and self.unpriced[b] < REPRICE_EVERY:  # gamma 0 stands (REPRICE_EVERY)
             self.unpriced[b] += 1
             return 0
         gamma = best_gamma(self.acceptance(b), self.cost)
         self.unpriced[b] = None if gamma else 0
+        if gamma:
+            self.retries[b] = 0
         return gamma
+
+    def retry(self, b: int) -> int:
+        """Row b drafts once at RETRY_GAMMA after a run of plain steps, its own counts dropped: the step's
+        outcome prices it afresh (with the pooled rate as its prior, as a new request)."""
+        self.counts.clear(b)
+        self.rates = None
+        self.retries[b] += 1
+        self.plain_run[b], self.unpriced[b] = 0, None
+        return min(RETRY_GAMMA, self.gamma_max)
 
     def acceptance(self, b: int) -> list[float]:
         """alpha_j for j = 1..gamma_max: row b's steps blended with the engine's recent ones (blended_rates;
@@ -399,6 +438,16 @@ class GammaPolicy:
             for b, d, a in zip(slots, drafted, accepted):
                 if d:
                     self.rows[b] = min(self.gamma_max, self.rows[b] + 2) if a == d else max(1, self.rows[b] - 1)
+
+
+def retry_wait(cost: CostModel, gamma: int, retries: int) -> int:
+    """Plain steps a row runs before its next retry at `gamma` (RETRY_*): failed retries cost at most
+    RETRY_SHARE of them, doubling with each retry already made."""
+    # a retry's cost over a plain step's, in plain steps: as measured or predicted, or priced at the last c
+    # measured where that is dearer (c is forgotten after a long run without drafting: `expire`)
+    seen = gamma * cost.c_seen + interpolate(cost.verify_ratio, cost.widths.get(gamma, gamma) + 1)
+    extra = max(0.0, cost.step_cost(gamma) - 1.0, seen - 1.0)
+    return round(max(RETRY_MIN_WAIT, extra / RETRY_SHARE) * 2**retries)
 
 
 def expected_tokens(alphas: list[float], gamma: int) -> float:

@@ -13,9 +13,9 @@ import torch
 import specdec
 from conftest import DEVICE, tiny_pair
 from specdec import SamplingParams
-from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, REPRICE_EVERY, STEP_SAMPLES, CostModel,
-                              GammaPolicy,
-                              StepSeconds, best_gamma, expected_tokens, pooled_prior)
+from specdec.adaptive import (EXPLORE_EVERY, EXPLORE_MOST, FRESH_RATE, FRESH_WEIGHT, PRIOR_WEIGHT, REPRICE_EVERY,
+                              RETRY_MIN_WAIT, RETRY_SHARE, STEP_SAMPLES, CostModel, GammaPolicy, StepSeconds, best_gamma,
+                              expected_tokens, pooled_prior, retry_wait)
 from specdec.drafters import DrafterOptions
 from specdec.drafters.base import Proposal
 from specdec.errors import UserError
@@ -263,13 +263,51 @@ def test_at_gamma_0_the_engines_cost_policy_prices_the_gammas_every_reprice_ever
     assert policy.choose(1) == 2
 
 
+def test_a_row_kept_plain_by_its_first_drafts_retries_and_drafts_again_where_drafts_now_pay():
+    """A row whose first drafts all failed (the opening of a translation) is priced at gamma 0 and, with no
+    counts coming in, would stay there for the rest of its request. After a wait that bounds what retries cost
+    (RETRY_SHARE of its plain steps) it drafts once at RETRY_GAMMA, priced afresh from that step: where the
+    drafts now pay it drafts on; where they still fail it returns to plain steps and waits twice as long (a
+    dearer draft here, so that the pooled rate's return to FRESH_RATE prices no draft in between)."""
+    def costs(c: float) -> CostModel:
+        return CostModel({1: 1.0, 2: 1.0, 3: 1.0}, t1=0.05, c=c)  # a step at gamma 2: 1 + 2c plain steps
+
+    for c, later_pays in ((0.3, True), (0.5, False)):
+        wait = retry_wait(costs(c), 2, 0)
+        assert wait == round(max(RETRY_MIN_WAIT, 2 * c / RETRY_SHARE)) and retry_wait(costs(c), 2, 2) == 4 * wait
+        policy = GammaPolicy("cost", gamma=2, gamma_max=2, cost=costs(c))
+        policy.start(1)
+        for _ in range(6):  # the first drafts: all rejected
+            policy.observe([0], drafted=[2], accepted=[0])
+        chosen = []
+        for _ in range(int(3.5 * wait)):
+            gamma = policy.choose(0)
+            chosen.append(gamma)
+            policy.observe([0], drafted=[gamma], accepted=[gamma if later_pays else 0])
+        retries = [i for i, g in enumerate(chosen) if g and (i == 0 or not chosen[i - 1])]
+        assert retries[0] == wait
+        if later_pays:  # it drafts from its retry on
+            assert all(chosen[wait:])
+        else:  # plain steps between retries, the wait doubling
+            assert retries[1] - retries[0] - 1 == 2 * wait and sum(map(bool, chosen)) == 2
+    forgotten = costs(0.0)
+    forgotten.observe_draft(seconds=0.03, tokens=2)  # c = 0.3, then forgotten (CostModel.expire) after a plain run
+    forgotten.c = 0.0
+    assert retry_wait(forgotten, 2, 0) == retry_wait(costs(0.3), 2, 0)  # a retry still costs what drafting did
+
+
 def test_a_deep_probe_finds_depths_that_pay_after_a_first_draft_that_rarely_does(monkeypatch):
     """Rows keep their first draft 45 % of the time but nearly every draft past it (a copied span): a
     policy that prices depths it has not drafted at the pooled prior stays shallow or plain, never seeing
     that deep drafts pay. After EXPLORE_EVERY drafting steps below gamma_max every row drafts gamma_max
     for STEP_SAMPLES steps (CostModel.probe), and those counted, the policy drafts deeper on its own: more
-    tokens for the same cost than without probes. Verifying deeper is free here; a new call every 100 steps."""
+    tokens for the same cost than without probes. Verifying deeper is free here; a new call every 100 steps.
+    A row's retries (GammaPolicy.retry) are off: they explore too, and this is the deep probe's test."""
     import random
+
+    import specdec.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "retry_wait", lambda *args: 1 << 30)
 
     def decode(probes: bool) -> tuple[list[int], float]:
         rng = random.Random(0)
