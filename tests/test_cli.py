@@ -159,7 +159,7 @@ def broken_checkpoint(tmp_path, kind: str):
     ("corrupt", "is not a readable safetensors file"),
     ("not-gguf", "is not a readable GGUF model"),
     ("config-not-json", "config.json is not readable JSON (JSONDecodeError"),
-    ("config-lacks-a-key", "the model's config.json lacks num_attention_heads"),
+    ("config-lacks-a-key", "broken/config.json lacks num_attention_heads"),
 ])
 def test_a_broken_checkpoint_is_one_clear_line(capsys, tmp_path, kind, message):
     code, _, err = run_cli(capsys, "generate", "hi", "--model", str(broken_checkpoint(tmp_path, kind)), "--device", "cpu")

@@ -188,7 +188,7 @@ def load_shared_draft(folder: str | Path, target) -> SharedDraftModel:
     from specdec.models.loading import fuse_hf_weights
 
     folder = Path(folder).expanduser()
-    config = ModelConfig.from_hf(read_config(folder, "a draft model folder"))
+    config = ModelConfig.from_hf(read_config(folder, "a draft model folder"), f"{folder}/config.json")
     t = target.config
     if (config.vocab_size, config.hidden_size) != (t.vocab_size, t.hidden_size):
         raise UserError(f"{folder}: this draft was trained for another target (vocabulary or width differ)")

@@ -70,15 +70,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
-        """From an HF config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style)."""
+    def from_hf(cls, d: dict, where: str = "the model's config.json") -> "ModelConfig":
+        """From an HF config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style); `where`
+        names the file for the error when it lacks a key."""
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserError(f"model type {model_type!r} has no native implementation (native: {SUPPORTED_MODEL_TYPES})")
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} or None)
         theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        require_keys(d, HF_REQUIRED, "the model's config.json")
+        require_keys(d, HF_REQUIRED, where)
         heads = d["num_attention_heads"]
         window = d.get("sliding_window")
         layer_types = d.get("layer_types") or ()

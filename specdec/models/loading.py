@@ -267,7 +267,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device, backend:
 
         model = load_hf_adapter(folder, dtype, device)
     else:
-        model = build_native(ModelConfig.from_hf(config_dict), read_safetensors(folder), dtype, device, kernels, shard)
+        model = build_native(ModelConfig.from_hf(config_dict, f"{folder}/config.json"), read_safetensors(folder), dtype, device, kernels, shard)
     model.tokenizer = load_tokenizer(folder)
     model.name = str(folder)
     return model
