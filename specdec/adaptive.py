@@ -358,6 +358,7 @@ class GammaPolicy:
     unpriced: list[int | None] = field(default_factory=list)  # `cost`: plain steps a row chose unpriced since gamma 0 won
     plain_run: list[int] = field(default_factory=list)  # `cost`: plain steps chosen for a row in a row (retry)
     retries: list[int] = field(default_factory=list)  # `cost`: a row's retries since it last chose to draft
+    retry_after: list[int] = field(default_factory=list)  # `cost`: retry_wait, as of the row's last pricing
     counts: Acceptance = field(default_factory=lambda: Acceptance.empty(0, 1))  # per row of the call
     rates: np.ndarray | None = None  # [rows, gamma_max] acceptance() of every row, until the next observe
 
@@ -374,6 +375,7 @@ class GammaPolicy:
         self.rows = [self.gamma] * batch_size
         self.unpriced = [None] * batch_size
         self.plain_run, self.retries = [0] * batch_size, [0] * batch_size
+        self.retry_after = [RETRY_MIN_WAIT] * batch_size
         self.counts = Acceptance.empty(batch_size, self.gamma_max)
         self.rates = None
         if self.cost is not None:
@@ -390,8 +392,7 @@ class GammaPolicy:
         if self.cost.probing:  # CostModel.probe
             self.plain_run[b] = 0
             return self.gamma_max
-        run = self.plain_run[b]
-        if run >= RETRY_MIN_WAIT and run >= retry_wait(self.cost, min(RETRY_GAMMA, self.gamma_max), self.retries[b]):
+        if self.plain_run[b] >= self.retry_after[b]:
             return self.retry(b)
         gamma = self.price(b)
         self.plain_run[b] = 0 if gamma else self.plain_run[b] + 1
@@ -406,6 +407,8 @@ class GammaPolicy:
         self.unpriced[b] = None if gamma else 0
         if gamma:
             self.retries[b] = 0
+        else:  # priced with the gammas, not at every step (a few microseconds a row)
+            self.retry_after[b] = retry_wait(self.cost, min(RETRY_GAMMA, self.gamma_max), self.retries[b])
         return gamma
 
     def retry(self, b: int) -> int:
