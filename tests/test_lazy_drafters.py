@@ -1,12 +1,12 @@
 """Lazy drafter state (specdec/drafters/catch_up.py): EAGLE's head and a draft model are fed only when a
-row drafts, then catch up over the positions they skipped, in gaps (eager steppers on the CPU) or, EAGLE's,
-in fixed-width chunks (the graphed steppers' path, here run eagerly on a static batch).
+row drafts, then catch up over the positions they skipped, in gaps (eager steppers on the CPU) or in
+fixed-width chunks (the graphed steppers' path, here run eagerly on a static batch).
 
 - the drafts of a caught-up state are bitwise those of a state fed all along: EAGLE's in gaps against its
-  state in chunks, a draft model's against one fed the whole history from scratch; through stretches at
-  gamma 0 short and long (one forward for every row, or one per row far behind; one chunk, or more run
+  state in chunks, a draft model's (in gaps and in chunks) against one fed the whole history from
+  scratch; through stretches at gamma 0 short and long (one forward for every row, or one per row far behind; one chunk, or more run
   by the host), rows at different gammas, and a row leaving and a new one joining its slot;
-- in chunks, the host's bound (Lag) leaves no row behind when the head drafts;
+- in chunks, the host's bound (Lag) leaves no row behind when the head or the draft model drafts;
 - a step at gamma 0 runs no head or draft forward at all, nor does a prompt joining in gaps.
 """
 
@@ -128,11 +128,46 @@ def test_eagle_in_chunks_feeds_a_long_stretch_in_the_chunks_the_host_counts(mode
         assert len(forwards) == chunks + depth - 1  # the chunks, then the tree's levels past the root's
 
 
-def test_draft_model_caught_up_drafts_equal_drafts_fed_from_scratch(models):  # noqa: F811
-    """At every drafting step, each running row's chain is what the draft gives fed the row's whole history
-    in a fresh cache (exactly what "fed all along" means)."""
+def test_draft_model_in_chunks_counts_the_two_tokens_a_drafting_step_leaves(models, monkeypatch):  # noqa: F811
+    """In chunks a draft model is fed its drafts, so a drafting step leaves a row at most 2 tokens behind
+    (Lag.behind), whatever gamma: a drafting step after n gamma-0 steps runs ceil((2 + n) / width) chunks
+    (the propose's own included), then gamma - 1 forwards over its drafts."""
     target, _, draft = models
-    lazy = new_stepper(target, DraftModelDrafter(target, draft), 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+    drafter = DraftModelDrafter(target, draft)
+    forwards = []
+    forward = drafter.draft.forward
+    monkeypatch.setattr(drafter.draft, "forward", lambda *a, **k: forwards.append(1) or forward(*a, **k))
+    stepper = chunked_stepper(target, drafter)
+    batch = stepper.batch
+    stepper.prefill([0, 1], [Request(PROMPTS[0], NEW), Request(PROMPTS[2], NEW)])
+    batch.gamma.fill_(5)
+    stepper.launch(5)
+    stepper.read()
+    for n in (0, 6, 7, 20):
+        for _ in range(n):
+            stepper.launch(0)
+            stepper.read()
+        assert batch.draft.lag.most == 2 + n
+        assert int((batch.length - batch.draft.cache.lengths).max()) <= 2 + n
+        forwards.clear()
+        stepper.launch(5)
+        stepper.read()
+        assert len(forwards) == -(-(2 + n) // SHORT_GAP) + 5 - 1
+
+
+@pytest.mark.parametrize("how", ["gaps", "chunks"])
+def test_draft_model_caught_up_drafts_equal_drafts_fed_from_scratch(models, how):  # noqa: F811
+    """At every drafting step, each running row's chain is what the draft gives fed the row's whole history
+    in a fresh cache (exactly what "fed all along" means), caught up in gaps or in chunks (the host's count
+    of chunks included: with none before the propose's own, the long stretch leaves rows behind)."""
+    target, _, draft = models
+    drafter = DraftModelDrafter(target, draft)
+    if how == "gaps":
+        lazy = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+        assert lazy.batch.draft.lag is None
+    else:
+        lazy = chunked_stepper(target, drafter)
+        assert lazy.batch.draft.lag.width == SHORT_GAP and lazy.batch.draft.lag.behind == 2
     checked = []
 
     def check(stepper: Stepper, record: StepRecord) -> None:

@@ -12,15 +12,13 @@ positions as if it had been fed all along, in fewer and wider forwards. Two ways
   prompt is a row's first gap. The exact kernels give each entry the bits of any block it is computed
   in, so the drafts are those of eager feeding (tests/test_lazy_drafters.py).
 - in chunks (every other stepper: graphed ones, whose captured shapes are fixed while a gap's width is
-  data, and eager ones on a GPU, so that they draft what graphed steps draft; EAGLE): one forward of a
+  data, and eager ones on a GPU, so that they draft what graphed steps draft): one forward of a
   fixed `Lag.width` positions per row feeds each row up to that many (`feed_chunk`), and the host,
   which knows from the steps it launched how far behind a row can be (`Lag`), runs as many chunks
   before a drafting step's propose as the propose's own one does not cover (Stepper.launch). `join`
   feeds the prompt, a block of its own (captured with the prefill: step.JoinGraph). Chunks and gaps
-  need not give the same bits on a GPU (a wider block's head forward there need not give each entry a
+  need not give the same bits on a GPU (a wider block's forward there need not give each entry a
   narrower one's bits): drafts may differ in a near-tie, verification keeps the output lossless.
-  The draft model on graphed steppers is not lazy: it feeds a fixed two tokens per proposal (its
-  module docstring).
 """
 
 from __future__ import annotations
@@ -67,6 +65,8 @@ class Lag:
 
     width: int  # positions per row one chunk feeds (chunk_width); a drafting step's propose runs one first
     most: int = 0
+    behind: int | None = None  # how far a row can lag right after a drafting step, where that does not grow
+    # with the draft's depth (a draft model, fed its drafts: 2); None: depth + 1, all that a step keeps
 
     def head(self, n: int) -> "Lag":
         return self
@@ -77,8 +77,9 @@ class Lag:
 
     def stepped(self, depth: int) -> None:
         """A step was launched at draft depth `depth` (0: a plain step). A drafting step caught every row up
-        first and keeps at most depth + 1 tokens a row; a plain step keeps at most one."""
-        self.most = depth + 1 if depth else self.most + 1
+        first and keeps at most depth + 1 tokens a row (`behind`: of which the drafter was fed all but
+        that many); a plain step keeps at most one."""
+        self.most = (self.behind or depth + 1) if depth else self.most + 1
 
 
 def lag_of(batch) -> Lag | None:

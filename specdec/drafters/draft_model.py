@@ -1,24 +1,22 @@
 """`draft_model`: a separate, smaller model with the target's vocabulary drafts k tokens
 autoregressively. Its own KV cache (one row per slot) is kept in step with the tokens the target kept.
 
-Cache bookkeeping per row, with L = tokens so far (the last one pending): a proposal feeds the draft
-the row's tokens its cache lacks, up to the pending token, whose logits give d1, then drafts d1..dk,
-feeding d1..d(k-1) (each possibly rejected). Which tokens it feeds depends on the stepper (catch_up.py):
+Cache bookkeeping per row, with L = tokens so far (the last one pending): the cache length is what the
+draft has been fed of the row's kept tokens, and it is fed lazily (catch_up.py). A proposal first feeds
+every running row its tokens from its cache length to L - 1 (`catch_up`: the token the last step added
+beyond the drafts it fed, or whatever the steps at gamma 0 since its last draft added), whose last
+logits give d1, then drafts d1..dk, feeding d1..d(k-1) (each possibly rejected), and leaves the cache at
+L; `commit` adds the accepted drafts the draft was fed (at most k - 1), so after a drafting step a row
+lags by one or two tokens (`Lag.behind`). A step at gamma 0 runs no draft forward at all. How the
+catch-up feeds depends on the stepper:
 
-- eager stepper (the CPU; `catches_up(batch)`), lazy: the cache length is what the draft has been fed
-  of the row's kept tokens. `join` feeds nothing (the prompt is the first gap); `propose` first feeds
-  every running row its tokens from its cache length to L - 1 (`catch_up`: the prompt, the token the
-  last step added beyond the drafts it fed, or whatever the steps at gamma 0 since its last draft added),
-  and leaves the cache at L; `commit` adds the accepted drafts the draft was fed (at most k - 1). A step
-  at gamma 0 runs no draft forward at all.
-- graphed stepper (CUDA graphs; batch.static): `join` runs the draft over the prompt; a proposal rolls
-  the cache back to L - 2 slots and feeds the row's last two tokens (which after a fully accepted step
-  include the last draft, never fed before). A fixed two-token feed keeps the shapes static, so the
-  whole proposal can be captured in a CUDA graph; but a step at gamma 0 feeds nothing, so after one the
-  slots between the last proposal's and L - 2 hold no keys and values of the row's tokens (stale or
-  zero entries the next drafts attend to). Verification keeps the output lossless; only acceptance
-  after a stretch at gamma 0 suffers. Not fixed there: it would cost a draft forward at every gamma-0
-  step, or a wider feed at every drafting step, neither measured on a GPU.
+- eager stepper on the CPU (`catches_up(batch)`), in gaps: `join` feeds nothing (the prompt is a row's
+  first gap), and each row is fed exactly its gap.
+- any other stepper (graphed ones, and eager ones on a GPU), in chunks of SHORT_GAP positions: `join`
+  runs the draft over the prompt, and the host runs more chunks before a propose after a long stretch
+  at gamma 0 (Stepper.launch), so every shape is fixed and the proposal is captured in a CUDA graph.
+  (Before, a graphed proposal fed each row's last two tokens: after a stretch at gamma 0 the slots in
+  between held no keys and values of the row's tokens, and the next drafts attended to stale entries.)
 
 Shared-embedding drafts (`specdec train draft`): a folder whose config.json says
 "specdec_shared_embeddings": true holds only the decoder layers and final norm (HF names, any float
@@ -29,13 +27,14 @@ logits are -inf elsewhere (q = 0 there: still lossless, and Vd rows cost Vd/V of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
-from specdec.drafters.catch_up import SHORT_GAP, catches_up, feed_gaps
+from specdec.drafters.catch_up import SHORT_GAP, Lag, catches_up, chunk_width, feed_chunk, feed_gaps
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError, first_line
 from specdec.kv_cache import KVCache
@@ -74,6 +73,12 @@ def draw(logits: Tensor, batch, u: Tensor | None) -> tuple[Tensor, Tensor | None
     return sample(q, u), q
 
 
+@dataclass
+class DraftState:
+    cache: KVCache  # the draft's, one row per slot (SHORT_GAP spare slots: a catch-up's padding)
+    lag: Lag | None = None  # a chunked catch-up's host-side bound; None: in gaps (catch_up.py)
+
+
 class DraftModelDrafter:
     name = "draft_model"
     graphable = True
@@ -87,15 +92,15 @@ class DraftModelDrafter:
         return DraftShape(width=gamma, depth=gamma, lanes=gamma)
 
     def attach(self, batch) -> None:
-        """The draft's cache (lazy: with room for a catch-up's padding)."""
-        spare = SHORT_GAP if catches_up(batch) else 0
-        batch.draft = self.draft.new_cache(batch.capacity, batch.max_len + spare, static=batch.static)
+        cache = self.draft.new_cache(batch.capacity, batch.max_len + SHORT_GAP, static=batch.static)
+        batch.draft = DraftState(cache, None if catches_up(batch) else Lag(chunk_width(1), behind=2))
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
-        """Lazy: nothing fed yet. Eager: run the draft over the new rows' prompts (into a scratch cache), then
-        copy that into their slots."""
-        if catches_up(batch):
-            batch.draft.lengths.index_fill_(0, slots, 0)
+        """In gaps: nothing fed yet. In chunks: run the draft over the new rows' prompts (into a scratch
+        cache), then copy that into their slots."""
+        cache = batch.draft.cache
+        if batch.draft.lag is None:
+            cache.lengths.index_fill_(0, slots, 0)
             return
         lengths = batch.prompt_length[slots]  # [n]
         T = hidden.shape[1]
@@ -103,15 +108,15 @@ class DraftModelDrafter:
         scratch = self.draft.new_cache(len(slots), T, static=True)
         prompts = batch.tokens[slots, :T]  # [n, T] right-padded (the pad is later output or zeros: never read)
         self.draft(prompts, torch.arange(T, device=prompts.device).expand_as(prompts), scratch, logits_at=lengths - 1)
-        batch.draft.k[:, slots, :, :T] = scratch.k
-        batch.draft.v[:, slots, :, :T] = scratch.v
-        batch.draft.lengths[slots] = lengths
+        cache.k[:, slots, :, :T] = scratch.k
+        cache.v[:, slots, :, :T] = scratch.v
+        cache.lengths[slots] = lengths
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
-        cache, lazy = batch.draft, catches_up(batch)
+        cache = batch.draft.cache
         L = batch.length.clamp(min=2)  # [B] (a prefilled row holds prompt + first token: L >= 2)
         known = cache.lengths.clone()  # [B]
-        logits = self.catch_up(batch) if lazy else self.feed_last_two(batch, L)  # [B, V_draft] at the pending token
+        logits = self.catch_up(batch)  # [B, V_draft] at the pending token
         tokens, probs = [], []
         num_drafted = torch.full_like(L, gamma)  # [B]
         for i in range(gamma):
@@ -124,42 +129,33 @@ class DraftModelDrafter:
                 num_drafted = torch.where(unsure & (num_drafted > i), i, num_drafted)
             if i < gamma - 1:
                 logits = self.draft(token[:, None], (L + i)[:, None], cache).logits[:, -1]
-        # what is known valid (drafts may be rejected): lazy, the row's tokens; eager, all but the last two
-        cache.lengths.copy_(torch.where(batch.active, L if lazy else L - 2, known))
+        cache.lengths.copy_(torch.where(batch.active, L, known))  # the row's tokens (the drafts may be rejected)
         return Proposal(tokens=torch.stack(tokens, 1), q=None if u is None else torch.stack(probs, 1),
                         num_drafted=num_drafted)
 
-    def feed_last_two(self, batch, L: Tensor) -> Tensor:
-        """Eager state: roll the cache back to L - 2 and feed each row's last two tokens; [B, V_draft] logits
-        at the pending one."""
-        cache, dev = batch.draft, batch.device
-        cache.lengths.copy_(L - 2)
-        feed = batch.tokens.gather(1, L[:, None] - 2 + torch.arange(2, device=dev))  # [B, 2]
-        return self.draft(feed, L[:, None] - 2 + torch.arange(2, device=dev), cache,
-                          logits_at=torch.ones_like(L)).logits[:, -1]
-
     def catch_up(self, batch) -> Tensor:
-        """Lazy state: feed every running row its tokens from its cache length to L - 1 (one forward for the
-        rows a step or a few behind, one per row further behind); [B, V_draft] logits at the pending token
-        (zeros for rows not running: they draft, masked, from nothing)."""
-        cache = batch.draft
-        gap = torch.where(batch.active, batch.length - cache.lengths, 0).clamp(min=0)  # [B] tokens to feed
+        """Feed every running row its tokens from its cache length to L - 1 (in gaps: all of them, one
+        forward for the rows a step or a few behind, one per row further behind; in chunks: up to Lag.width);
+        [B, V_draft] logits at the pending token (zeros for rows not running: they draft, masked, from
+        nothing)."""
+        state = batch.draft
+        gap = torch.where(batch.active, batch.length - state.cache.lengths, 0).clamp(min=0)  # [B] tokens to feed
 
         def feed(view: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
             tokens = batch.tokens[rows].gather(1, positions.clamp(max=batch.max_len - 1))  # [n, w]
             return self.draft(tokens, positions, view, logits_at=last).logits[:, -1]  # [n, V_draft]
 
-        logits = feed_gaps(cache, gap, feed)
+        if state.lag is not None:
+            return feed_chunk(state.cache, gap, feed, state.lag.width)
+        logits = feed_gaps(state.cache, gap, feed)
         if logits is None:  # no row running: nothing to draft from
             return torch.zeros(batch.capacity, self.draft.config.vocab_size, device=batch.device)
         return logits
 
     def commit(self, batch, verified: Verified) -> None:
-        """Lazy state: the accepted drafts the proposal fed (d1..d(k-1)) are the row's tokens now. Eager:
-        nothing (the next proposal rolls the cache back to what the target kept)."""
-        if catches_up(batch):
-            fed = max(verified.proposal.tokens.shape[1] - 1, 0)
-            batch.draft.lengths += torch.where(verified.kept > 0, verified.accepted.clamp(max=fed), 0)
+        """The accepted drafts the proposal fed (d1..d(k-1)) are the row's tokens now."""
+        fed = max(verified.proposal.tokens.shape[1] - 1, 0)
+        batch.draft.cache.lengths += torch.where(verified.kept > 0, verified.accepted.clamp(max=fed), 0)
 
 
 class SharedDraftModel(LlamaModel):
