@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import DraftShape, DrafterOptions, Proposal, Verified, register
-from specdec.drafters.catch_up import SHORT_GAP, Lag, catches_up, chunk_width, feed_chunk, feed_gaps
+from specdec.drafters.catch_up import SHORT_GAP, Lag, catches_up, feed_chunk, feed_gaps
 from specdec.drafters.shipped import trained_folder
 from specdec.errors import UserError, first_line
 from specdec.kv_cache import KVCache
@@ -93,7 +93,8 @@ class DraftModelDrafter:
 
     def attach(self, batch) -> None:
         cache = self.draft.new_cache(batch.capacity, batch.max_len + SHORT_GAP, static=batch.static)
-        batch.draft = DraftState(cache, None if catches_up(batch) else Lag(chunk_width(1), behind=2))
+        # fed its drafts, a row lags a drafting step by the target's token, and the last draft if all were kept
+        batch.draft = DraftState(cache, None if catches_up(batch) else Lag(SHORT_GAP, behind=2))
 
     def join(self, batch, slots: Tensor, hidden: Tensor) -> None:
         """In gaps: nothing fed yet. In chunks: run the draft over the new rows' prompts (into a scratch
