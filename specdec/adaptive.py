@@ -279,9 +279,11 @@ class CostModel:
             self.draft_seen.append(seconds / tokens)
             self.c = self.c_seen = statistics.median(self.draft_seen) / self.t1
 
-    def predicted_cost(self, B: int, gamma: int) -> float:
-        """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B)."""
-        return gamma * self.c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
+    def predicted_cost(self, B: int, gamma: int, c: float | None = None) -> float:
+        """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B), its drafts
+        priced at c (default: self.c)."""
+        c = self.c if c is None else c
+        return gamma * c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
 
     def step_cost(self, gamma: int) -> float:
         return self.steps.seconds(self.rows, gamma, self.predicted_cost)
@@ -448,7 +450,7 @@ def retry_wait(cost: CostModel, gamma: int, retries: int) -> int:
     RETRY_SHARE of them, doubling with each retry already made."""
     # a retry's cost over a plain step's, in plain steps: as measured or predicted, or priced at the last c
     # measured where that is dearer (c is forgotten after a long run without drafting: `expire`)
-    seen = gamma * cost.c_seen + interpolate(cost.verify_ratio, cost.widths.get(gamma, gamma) + 1)
+    seen = cost.predicted_cost(cost.rows, gamma, c=cost.c_seen)
     extra = max(0.0, cost.step_cost(gamma) - 1.0, seen - 1.0)
     return round(max(RETRY_MIN_WAIT, extra / RETRY_SHARE) * 2**retries)
 
