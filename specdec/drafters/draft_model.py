@@ -115,7 +115,7 @@ class DraftModelDrafter:
 
     def propose(self, batch, gamma: int, u: Tensor | None) -> Proposal:
         cache = batch.draft.cache
-        L = batch.length.clamp(min=2)  # [B] (a prefilled row holds prompt + first token: L >= 2)
+        L = batch.length  # [B] tokens so far, the last one pending
         known = cache.lengths.clone()  # [B]
         logits = self.catch_up(batch)  # [B, V_draft] at the pending token
         tokens, probs = [], []
