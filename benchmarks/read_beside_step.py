@@ -45,6 +45,8 @@ def main() -> None:
     target = load_model("default", device="cuda")
     tasks = load_tasks("gsm8k-eval", args.rows + args.repeats)
     prompts = [encode_prompt(target.tokenizer, t.prompt) for t in tasks]
+    if max(map(len, prompts)) >= args.context // 2:
+        sys.exit(f"--context {args.context} leaves a running row no room: its prompts reach {max(map(len, prompts))} tokens")
     stepper = new_stepper(target, build_drafter(args.drafter, target), args.rows + 1, args.context, list(eos_ids(target)))
     stepper.capture_prefills(args.rows + 1)
     batch, slot = stepper.batch, args.rows
