@@ -253,10 +253,15 @@ class CostModel:
     test suite running beside the first minutes of a `suffix` bench priced drafting out for the rest of it
     (0.07 tokens drafted a step, 0.98x plain, where the run left alone gave 1.88x).
 
-    c, what a draft token costs, is the median of the last DRAFT_SAMPLES drafting steps, and once expiry
-    leaves no drafting shape measured it is forgotten too (0 until the next drafting step): a cumulative
-    mean kept a stretch of slow drafts (the `suffix` drafter's steps took 10x their usual host time for
-    a few prompts on an H200) in every later prediction, where no drafting step came to dilute it."""
+    c, what a draft token costs, is the median of the last DRAFT_SAMPLES drafting steps. Once expiry leaves
+    no drafting shape measured, those samples are dropped, so that the next drafting step's replaces it at
+    once: a cumulative mean kept a stretch of slow drafts (the `suffix` drafter's steps took 10x their usual
+    host time for a few prompts on an H200) in every later prediction, where no drafting step came to
+    dilute it. c itself is kept until then. Forgotten (0), it priced drafting as free after every expiry,
+    and on the 2-core CPU `layer_skip`, which drafts nothing out of domain, drafted a token or two in most
+    requests, each first draft catching the row up over its whole history (docs/design.md, "A row kept
+    plain by its first drafts retries"); a row whose drafts would now pay finds its way back by retrying
+    (GammaPolicy.retry)."""
 
     verify_ratio: dict[int, float]  # k -> r(k)
     t1: float  # seconds of a 1-token target forward
@@ -269,7 +274,6 @@ class CostModel:
     last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> `observed` when it last ran
     expire_after: dict[tuple[int, int], int] = field(default_factory=dict)  # (B, gamma) -> steps without it (EXPLORE_*)
     c: float = 0.0  # seconds of a draft token / t1: draft_seen's median, kept (asked at every gamma of every step)
-    c_seen: float = 0.0  # the last c measured, kept when c is forgotten: what a row's retry costs (retry_wait)
     probe_left: int = 0  # steps left of a deep probe (`probe`): every row drafts gamma_max
     since_deep: int = 0  # drafting steps since one at gamma_max
     probe_after: int = EXPLORE_EVERY  # drafting steps below gamma_max before the next probe (EXPLORE_*)
@@ -277,13 +281,11 @@ class CostModel:
     def observe_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
             self.draft_seen.append(seconds / tokens)
-            self.c = self.c_seen = statistics.median(self.draft_seen) / self.t1
+            self.c = statistics.median(self.draft_seen) / self.t1
 
-    def predicted_cost(self, B: int, gamma: int, c: float | None = None) -> float:
-        """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B), its drafts
-        priced at c (default: self.c)."""
-        c = self.c if c is None else c
-        return gamma * c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
+    def predicted_cost(self, B: int, gamma: int) -> float:
+        """A step's cost from the timed forwards (of one row, whatever B: `steps` scales it per B)."""
+        return gamma * self.c + interpolate(self.verify_ratio, self.widths.get(gamma, gamma) + 1)
 
     def step_cost(self, gamma: int) -> float:
         return self.steps.seconds(self.rows, gamma, self.predicted_cost)
@@ -325,7 +327,8 @@ class CostModel:
     def expire(self) -> None:
         """Drop the measurements of each shape of this batch size not run for its wait (EXPLORE_EVERY at
         first, doubling each time up to EXPLORE_MOST): it is predicted again, scaled by the shapes measured
-        since, and measured again if chosen; with no drafting shape measured any more, c is forgotten too."""
+        since, and measured again if chosen; with no drafting shape measured any more, c's samples are
+        dropped too (c stands until the next drafting step's)."""
         for B, gamma in [key for key in self.steps.median if key[0] == self.rows]:
             wait = self.expire_after.get((B, gamma), EXPLORE_EVERY)
             if self.observed - self.last_run.get((B, gamma), self.observed) >= wait:
@@ -333,7 +336,6 @@ class CostModel:
                 self.expire_after[B, gamma] = min(2 * wait, EXPLORE_MOST)
                 if self.draft_seen and not any(g for _, g in self.steps.median):
                     self.draft_seen.clear()
-                    self.c = 0.0
 
 
 def verify_widths(drafter, gamma_max: int) -> dict[int, int]:
@@ -448,10 +450,8 @@ class GammaPolicy:
 def retry_wait(cost: CostModel, gamma: int, retries: int) -> int:
     """Plain steps a row runs before its next retry at `gamma` (RETRY_*): failed retries cost at most
     RETRY_SHARE of them, doubling with each retry already made."""
-    # a retry's cost over a plain step's, in plain steps: as measured or predicted, or priced at the last c
-    # measured where that is dearer (c is forgotten after a long run without drafting: `expire`)
-    seen = cost.predicted_cost(cost.rows, gamma, c=cost.c_seen)
-    extra = max(0.0, cost.step_cost(gamma) - 1.0, seen - 1.0)
+    # a retry's cost over a plain step's, in plain steps: as measured, or predicted where that is dearer
+    extra = max(0.0, cost.step_cost(gamma) - 1.0, cost.predicted_cost(cost.rows, gamma) - 1.0)
     return round(max(RETRY_MIN_WAIT, extra / RETRY_SHARE) * 2**retries)
 
 
