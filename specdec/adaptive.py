@@ -375,6 +375,14 @@ class GammaPolicy:
         """The most tokens a row may draft in one step under this policy."""
         return self.gamma if self.name == "fixed" else max(self.gamma, self.gamma_max)
 
+    def gammas(self) -> list[int]:
+        """Every gamma a step may run at under this policy (the largest of its rows' choices)."""
+        if self.name == "fixed":
+            return [self.gamma]
+        if self.name == "confidence":
+            return [self.gamma_max]
+        return list(range(0 if self.name == "cost" else 1, self.largest + 1))
+
     def start(self, batch_size: int) -> None:
         self.rows = [self.gamma] * batch_size
         self.unpriced = [None] * batch_size

@@ -104,8 +104,7 @@ class RowBatch:
         """(whether a running row samples, a bound on their top_k: TOP_K_BOUND or the power of two above,
         0 when none uses top-k): what a step's shape depends on. An all-greedy step verifies without
         probabilities; the bound lets top-k filtering run as one torch.topk (RowSampling.max_top_k)."""
-        sampled = [r.request.sampling for r in self.rows.values() if not r.finished and not r.request.sampling.greedy]
-        return bool(sampled), top_k_bound(sampled)
+        return sampling_mode([r.request.sampling for r in self.rows.values() if not r.finished])
 
     @property
     def busy(self) -> bool:
@@ -230,6 +229,12 @@ def append(batch: RowBatch, emitted: Tensor, count: Tensor) -> tuple[Tensor, Ten
     finish = torch.where(batch.active, finish, 0)
     batch.active &= finish == 0
     return kept, finish
+
+
+def sampling_mode(params: list[SamplingParams]) -> tuple[bool, int]:
+    """(whether any of these rows samples, top_k_bound of those that do): RowBatch.sampling_mode of rows."""
+    sampled = [p for p in params if not p.greedy]
+    return bool(sampled), top_k_bound(sampled)
 
 
 def top_k_bound(params: list[SamplingParams]) -> int:

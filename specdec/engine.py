@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.adaptive import CostModel, GammaPolicy, forward_sizes, verify_widths
-from specdec.batch import Request, Row, eos_ids
+from specdec.batch import Request, Row, eos_ids, sampling_mode
 from specdec.config import SamplingParams, SpecConfig
 from specdec.costs import measure_forward_times, verify_ratios
 from specdec.drafters import Drafter, DrafterOptions, build_drafter
@@ -99,6 +99,10 @@ class SpecEngine:
         stepper = self.stepper_for(len(prompts), longest + max_new + width + 2)
         requests = [Request(list(p), max_new, row_sampling(config.sampling, b), config.stop, config.stop_at_eos)
                     for b, p in enumerate(prompts)]
+        if observer is None:  # (an observed call runs eagerly) every step shape the policy may choose, captured
+            # before the clock: captured when first chosen, each stalled the step that met it (1-6 s on an H200)
+            # inside a request's time (docs/design.md, "Captured before the clock")
+            stepper.capture_shapes(policy.gammas(), modes=(sampling_mode([r.sampling for r in requests]),))
         t0 = time.perf_counter()
         with torch.inference_mode():
             rows, times = decode_rows(stepper, requests, policy, config, observer)

@@ -281,6 +281,9 @@ class Launched:
 
 
 LAUNCHES = itertools.count(1)  # launch serials: a host drafter tells its own steps in flight by them (RowBatch.in_flight)
+# the sampling modes (RowBatch.sampling_mode) a server captures steps in before it serves: greedy rows, and
+# sampled ones with no row's top_k above TOP_K_BOUND
+USUAL_MODES = ((False, 0), (True, 0), (True, TOP_K_BOUND))
 
 
 def steps_in_flight(in_flight: deque[Launched], rows: dict[int, Row]) -> dict[int, int]:
@@ -733,25 +736,29 @@ class Stepper:
             else:
                 self.drafter.catch_up(self.batch)
 
-    def missing_shapes(self, gammas: list[int]) -> dict[tuple[int, bool, int], DraftShape]:
-        """The step shapes at these gammas not captured yet (keys as in `captured`), for greedy batches and
-        for sampled ones with no row's top_k above TOP_K_BOUND; none without graphs."""
+    def missing_shapes(self, gammas: list[int], modes: tuple[tuple[bool, int], ...] = USUAL_MODES
+                       ) -> dict[tuple[int, bool, int], DraftShape]:
+        """The step shapes at these gammas not captured yet (keys as in `captured`), in these sampling modes
+        (RowBatch.sampling_mode; by default greedy batches and sampled ones with no row's top_k above
+        TOP_K_BOUND); none without graphs."""
         if not self.graphs:
             return {}
         missing = {}
-        for any_sampled, top_k in ((False, 0), (True, 0), (True, TOP_K_BOUND)):
+        for any_sampled, top_k in modes:
             for gamma, shape in {run for g in gammas for run in run_shapes(self.drafter, step_shape(self.drafter, g)[0], any_sampled)}:
                 if (gamma, any_sampled, top_k) not in self.captured:
                     missing[(gamma, any_sampled, top_k)] = shape
         return missing
 
     @entry_point
-    def capture_shapes(self, gammas: list[int], done: Callable[[], object] = lambda: None) -> int:
-        """Capture now the missing step shapes at these gammas (missing_shapes), so that neither a policy
-        changing gamma from step to step nor a request's usual sampling parameters stall a running batch on
-        a capture (an eager warm-up and three captures; a larger top_k is still captured when first met).
-        Calls `done` after each (a progress bar's update); returns how many were new."""
-        missing = self.missing_shapes(gammas)
+    def capture_shapes(self, gammas: list[int], done: Callable[[], object] = lambda: None,
+                       modes: tuple[tuple[bool, int], ...] = USUAL_MODES) -> int:
+        """Capture now the missing step shapes at these gammas and sampling modes (missing_shapes), so that
+        neither a policy changing gamma from step to step nor a request's usual sampling parameters stall a
+        running batch on a capture (an eager warm-up and three captures; a shape not asked for here, such
+        as a larger top_k, is still captured when first met). Calls `done` after each (a progress bar's
+        update); returns how many were new."""
+        missing = self.missing_shapes(gammas, modes)
         for key, shape in missing.items():
             self.capture(key, shape)
             done()

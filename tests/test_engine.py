@@ -174,3 +174,42 @@ def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypat
     monkeypatch.setattr(CostModel, "observe_step", record)
     SpecEngine(target, "ngram").generate([PROMPTS[0]], SpecConfig(gamma_policy="cost", max_new_tokens=8))
     assert seen and min(seen) >= 0.02
+
+
+@pytest.mark.parametrize("policy, temperature, gammas", [("cost", 0.0, [0, 1, 2, 3]), ("fixed", 0.8, [3])])
+def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(models, monkeypatch, policy, temperature, gammas):
+    """generate captures, before its clock starts, each step shape its policy may run at, in the call's
+    sampling mode; none is captured while the rows decode (on a GPU, a capture met mid-call stalled that
+    step 1-6 s inside the request's time). On the CPU, without graphs, the ask is checked, and no capture."""
+    from specdec import engine as engine_module
+    from specdec.step import Stepper
+
+    target, _, draft = models
+    capture, capture_shapes, decode_rows = Stepper.capture, Stepper.capture_shapes, engine_module.decode_rows
+    asked, late, decoding = [], [], [False]
+
+    def spy_capture_shapes(self, gammas, done=lambda: None, modes=None):
+        asked.append((gammas, modes, decoding[0]))
+        return capture_shapes(self, gammas, done, modes)
+
+    def spy_capture(self, key, shape):
+        if decoding[0]:
+            late.append(key)
+        return capture(self, key, shape)
+
+    def spy_decode_rows(*args):
+        decoding[0] = True
+        try:
+            return decode_rows(*args)
+        finally:
+            decoding[0] = False
+
+    monkeypatch.setattr(Stepper, "capture_shapes", spy_capture_shapes)
+    monkeypatch.setattr(Stepper, "capture", spy_capture)
+    monkeypatch.setattr(engine_module, "decode_rows", spy_decode_rows)
+    engine = SpecEngine(target, "draft_model", DrafterOptions(draft_model=draft))
+    config = SpecConfig(gamma=3, gamma_max=3, gamma_policy=policy, max_new_tokens=24,
+                        sampling=SamplingParams(temperature=temperature, seed=0))
+    engine.generate(PROMPTS[:2], config)
+    assert asked == [(gammas, ((temperature > 0, 0),), False)]
+    assert late == []
