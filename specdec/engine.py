@@ -99,9 +99,11 @@ class SpecEngine:
         stepper = self.stepper_for(len(prompts), longest + max_new + width + 2)
         requests = [Request(list(p), max_new, row_sampling(config.sampling, b), config.stop, config.stop_at_eos)
                     for b, p in enumerate(prompts)]
-        if observer is None:  # (an observed call runs eagerly) every step shape the policy may choose, captured
-            # before the clock: captured when first chosen, each stalled the step that met it (1-6 s on an H200)
-            # inside a request's time (docs/design.md, "Captured before the clock")
+        # the prompts' read and every step shape the policy may choose, captured before the clock: captured
+        # when first met, each stalled the call that met it (1-6 s on an H200) inside a request's time
+        # (docs/design.md, "Captured before the clock")
+        stepper.capture_prefill_for(len(prompts), longest)
+        if observer is None:  # an observed call steps eagerly
             stepper.capture_shapes(policy.gammas(), modes=(sampling_mode([r.sampling for r in requests]),))
         t0 = time.perf_counter()
         with torch.inference_mode():

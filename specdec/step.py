@@ -562,13 +562,20 @@ class Stepper:
         order = sorted(range(len(slots)), key=lambda i: -len(requests[i].prompt))  # longest prompt first
         slots, requests = [slots[i] for i in order], [requests[i] for i in order]
         lengths = [len(r.prompt) for r in requests]
-        graph = self.prefill_graph(len(slots), lengths[0], chunk)
-        if graph is not None and graph not in self.join_graphs and not self.batch.rows:
-            self.capture_prefill(graph)  # first use in an idle batch (an engine's call): its slots are still free
+        graph = self.capture_prefill_for(len(slots), lengths[0], chunk)
         rows = self.batch.take(slots, requests)
         with self.reading_prompts():  # the scratch is written there
             scratch = self.prefill_graphs.scratch(graph) if graph else self.target.new_cache(len(rows), lengths[0])
         return Prefill(rows, to_device(slots, self.device), lengths, chunk, scratch, graph)
+
+    @entry_point
+    def capture_prefill_for(self, rows: int, longest: int, chunk: int | None = None) -> tuple[int, int] | None:
+        """The whole-prompt prefill shape that reads `rows` prompts of at most `longest` tokens (prefill_graph),
+        captured now if it is not yet and the batch is idle (an engine's call: its slots are all free)."""
+        graph = self.prefill_graph(rows, longest, chunk)
+        if graph is not None and graph not in self.join_graphs and not self.batch.rows:
+            self.capture_prefill(graph)
+        return graph
 
     @contextlib.contextmanager
     def reading_prompts(self):
@@ -782,8 +789,8 @@ class Stepper:
 
     def capture_prefill(self, key: tuple[int, int]) -> None:
         """Capture whole-prompt prefill shape `key` (PrefillGraphs), if it is not yet, and its join (JoinGraph):
-        the server captures every shape at start (capture_prefills), an engine each at its first use
-        (start_prefill). With the prefill alone captured, an engine joined its rows eagerly at every call,
+        the server captures every shape at start (capture_prefills), an engine each before its first call's
+        clock starts (capture_prefill_for). With the prefill alone captured, an engine joined its rows eagerly at every call,
         a draft model's or EAGLE's pass over the prompt included: `layer_skip`, which never drafted, ran
         0.93x plain on qa prompts on an H200, and 0.99x with the joins captured (docs/design.md, "Out of
         domain")."""

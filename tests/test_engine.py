@@ -179,13 +179,15 @@ def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypat
 @pytest.mark.parametrize("policy, temperature, gammas", [("cost", 0.0, [0, 1, 2, 3]), ("fixed", 0.8, [3])])
 def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(models, monkeypatch, policy, temperature, gammas):
     """generate captures, before its clock starts, each step shape its policy may run at, in the call's
-    sampling mode; none is captured while the rows decode (on a GPU, a capture met mid-call stalled that
-    step 1-6 s inside the request's time). On the CPU, without graphs, the ask is checked, and no capture."""
+    sampling mode, and its prompts' prefill shape; nothing is captured while the rows decode (on a GPU, a
+    capture met mid-call stalled it 1-6 s inside the request's time). On the CPU, without graphs, the ask
+    is checked, and no capture."""
     from specdec import engine as engine_module
     from specdec.step import Stepper
 
     target, _, draft = models
     capture, capture_shapes, decode_rows = Stepper.capture, Stepper.capture_shapes, engine_module.decode_rows
+    capture_prefill = Stepper.capture_prefill
     asked, late, decoding = [], [], [False]
 
     def spy_capture_shapes(self, gammas, done=lambda: None, modes=None):
@@ -197,6 +199,11 @@ def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(model
             late.append(key)
         return capture(self, key, shape)
 
+    def spy_capture_prefill(self, key):
+        if decoding[0]:
+            late.append(("prefill", key))
+        return capture_prefill(self, key)
+
     def spy_decode_rows(*args):
         decoding[0] = True
         try:
@@ -206,6 +213,7 @@ def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(model
 
     monkeypatch.setattr(Stepper, "capture_shapes", spy_capture_shapes)
     monkeypatch.setattr(Stepper, "capture", spy_capture)
+    monkeypatch.setattr(Stepper, "capture_prefill", spy_capture_prefill)
     monkeypatch.setattr(engine_module, "decode_rows", spy_decode_rows)
     engine = SpecEngine(target, "draft_model", DrafterOptions(draft_model=draft))
     config = SpecConfig(gamma=3, gamma_max=3, gamma_policy=policy, max_new_tokens=24,
