@@ -789,11 +789,11 @@ class Stepper:
 
     def capture_prefill(self, key: tuple[int, int]) -> None:
         """Capture whole-prompt prefill shape `key` (PrefillGraphs), if it is not yet, and its join (JoinGraph):
-        the server captures every shape at start (capture_prefills), an engine each before its first call's
-        clock starts (capture_prefill_for). With the prefill alone captured, an engine joined its rows eagerly at every call,
-        a draft model's or EAGLE's pass over the prompt included: `layer_skip`, which never drafted, ran
-        0.93x plain on qa prompts on an H200, and 0.99x with the joins captured (docs/design.md, "Out of
-        domain")."""
+        the server captures every shape at start (capture_prefills), an engine each before the clock of the
+        first call that reads it (capture_prefill_for). With the prefill alone captured, an engine joined its
+        rows eagerly at every call, a draft model's or EAGLE's pass over the prompt included: `layer_skip`,
+        which never drafted, ran 0.93x plain on qa prompts on an H200, and 0.99x with the joins captured
+        (docs/design.md, "Out of domain")."""
         if key not in self.prefill_graphs.graphs:
             self.prefill_graphs.capture(key)
         self.capture_join(key)

@@ -177,7 +177,8 @@ def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypat
 
 
 @pytest.mark.parametrize("policy, temperature, gammas", [("cost", 0.0, [0, 1, 2, 3]), ("fixed", 0.8, [3])])
-def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(models, monkeypatch, policy, temperature, gammas):
+def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(models, monkeypatch, policy, temperature,
+                                                                          gammas):
     """generate captures, before its clock starts, each step shape its policy may run at, in the call's
     sampling mode, and its prompts' prefill shape; nothing is captured while the rows decode (on a GPU, a
     capture met mid-call stalled it 1-6 s inside the request's time). On the CPU, without graphs, the ask
