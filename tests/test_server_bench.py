@@ -4,18 +4,20 @@ computed from the levels, the CUDA memory gauges, and one-line errors for bad ar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
+import time
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from specdec.server.app import SamplingFields
-from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, STEADY_LEVEL_S, LevelResult, LoadPlan,
+from specdec.server.bench import (DISCONNECT_AFTER_CHUNKS, SAMPLING_MIX, STEADY_LEVEL_S, Driven, LevelResult, LoadPlan,
                                   MemorySample, check_targets, client_processes, fixed_sampling, format_medians,
-                                  plan_request, run_load, sample_memory, sampling_fields, short_level_note, wait_for,
-                                  write_report)
+                                  plan_request, run_load, sample_lag, sample_memory, sampling_fields, short_level_note,
+                                  wait_for, write_report)
 from specdec.server.metrics import CudaMemory, ServerMetrics, parse_metrics, read_cuda_memory
 from specdec.server.policy import measure_batch_costs
 from test_server import KEY, MODEL, PROMPTS, make_scheduler, model, serving  # noqa: F401 (model: the fixture)
@@ -52,6 +54,8 @@ def test_bench_serve_measures_every_level(model, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| cost" in report and "cost / off at c=2 = " in report and "cost / max(off, on) at c=1 = " in report
     assert "## The server's decode thread" in report and "- on c=2: idle " in report
+    assert all(lv.cpu_cores["clients"] > 0 and 0 <= lv.client_lag_p50_ms <= lv.client_lag_p99_ms for lv in levels)
+    assert "- on c=2: 1 process, CPU cores busy " in report
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["levels"][5]["lost"] == 0 and results["levels"][5]["rss_growth_mib"] is not None
     assert {t["name"] for t in results["targets"]} >= {"cost / off at c=1", "off: TTFT p50 at c=2 / at c=1"}
@@ -64,6 +68,7 @@ def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     with serving(scheduler, admin=True) as (url, _):
         _, [level] = run_load(url, KEY, PROMPTS, plan)
     assert level.client_processes == 2
+    assert level.cpu_cores["clients"] > 0 and level.client_lag_p99_ms is not None  # both processes' answers
     assert (level.requests, level.ok, level.disconnected, level.lost) == (12, 9, 3, 0), level.errors
     assert level.rows_freed and not scheduler.batch.active.any()
     assert 0 < level.server_cancelled <= level.disconnected  # the server saw clients leave mid-stream
@@ -71,6 +76,23 @@ def test_mixed_sampling_and_disconnects_lose_nothing_and_free_every_row(model):
     assert sum(counts.get("disconnected", 0) for counts in level.sampling.values()) == 3
     assert [m.requests_done for m in level.memory] == [0, 12] and level.rss_growth_mib is not None
     assert (level.gpu_reserved_growth_mib is None) == (read_cuda_memory() == [])  # measured where CUDA holds memory
+
+
+def test_a_busy_client_loop_shows_as_lateness():
+    """sample_lag: while the loop is blocked (a client parsing other streams' chunks), its timer runs late by
+    about as long; an idle loop's barely."""
+    async def measure(blocked_s: float) -> list[float]:
+        lags: list[float] = []
+        sampler = asyncio.create_task(sample_lag(lags))
+        for _ in range(5):
+            await asyncio.sleep(0.003)
+            time.sleep(blocked_s)  # holds the loop
+        sampler.cancel()
+        return lags
+
+    busy, idle = asyncio.run(measure(0.02)), asyncio.run(measure(0.0))
+    assert max(busy) >= 15 and len(busy) >= 4
+    assert sorted(idle)[len(idle) // 2] < 5
 
 
 class ExitedProcess:
@@ -97,10 +119,10 @@ class LateQueue:
 
 
 def test_a_client_process_that_answers_as_it_exits_is_not_counted_lost():
-    answer = (12.5, ["a result"])
+    answer = Driven(12.5, ["a result"], 0.5, [0.1])
     assert wait_for(ExitedProcess(), LateQueue(answer)) == answer
-    end, results = wait_for(ExitedProcess(), queue.Queue())  # died without answering: its requests are lost
-    assert results == [] and end > 0
+    lost = wait_for(ExitedProcess(), queue.Queue())  # died without answering: its requests are lost
+    assert lost.results == [] and lost.end > 0
 
 
 def test_client_processes_share_the_streams_up_to_the_cpus(monkeypatch):

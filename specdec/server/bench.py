@@ -31,7 +31,9 @@ on the client:
   specdec_frontend_resident_memory_bytes, where it has one) and, on CUDA, the torch
   allocator's allocated and reserved bytes (specdec_cuda_memory_*_bytes, summed over devices), at the
   level's start, after every MEMORY_EVERY requests and at its end (after the drain); growth = last
-  sample - first.
+  sample - first;
+- the client itself: its processes' CPU time over the level's wall, and how late their event loops run
+  a 1-ms timer (sample_lag), which a response also waits before it is read: TTFT and ITL include it.
 The targets of issue 13 are checked from the measured levels (check_targets): `cost` / `off` >= 1.0
 and `cost` / the better of `off` and `on` >= 0.95 at each concurrency, TTFT p50 at c = 32 (and at the
 largest concurrency) <= 2x TTFT p50 at c = 1 per policy, no request lost, every row freed.
@@ -81,6 +83,7 @@ LEVEL_REQUESTS = (32, 8)
 # (4 clients) to 3.5 s (64): at 64 clients `cost` and `on` ran the same 269-271 gamma-5 steps in 2.79 and 2.56 s.
 STEADY_LEVEL_S = 3.0
 STREAMS_PER_PROCESS = 8  # concurrent streams one client process drives (against a GPU server)
+LAG_TICK_S = 0.001  # the timer whose lateness samples a client's event loop (sample_lag)
 DISCONNECT_AFTER_CHUNKS = 3  # chunks with a choice a disconnecting client reads before closing
 GOLDEN = (5**0.5 - 1) / 2  # index x GOLDEN mod 1 spreads request lengths evenly (plan_request)
 DRAIN_TIMEOUT_S = 30.0  # after a level, for the server's running and waiting requests to reach 0
@@ -180,6 +183,8 @@ class LevelResult:
     sampling: dict[str, dict[str, int]] = field(default_factory=dict)  # set name -> {outcome: requests}
     errors: list[str] = field(default_factory=list)  # the first few
     client_processes: int = 1  # processes that drove the level's streams
+    client_lag_p50_ms: float | None = None  # how late the clients' event loops ran a 1-ms timer (sample_lag):
+    client_lag_p99_ms: float | None = None  # a response waits about that long in its client before it is read
     repeat: int = 0  # which pass over the policies and concurrencies (LoadPlan.repeats)
 
     @property
@@ -385,8 +390,18 @@ async def wait_for_idle(client, timeout_s: float = DRAIN_TIMEOUT_S) -> dict[str,
 
 
 @dataclass
+class Driven:
+    """What one driver of a level's streams answers (drive: this process, or a client process)."""
+
+    end: float  # monotonic time its last request finished
+    results: list[RequestResult]
+    cpu_s: float = 0.0  # its process's CPU seconds while it drove
+    lag_ms: list[float] = field(default_factory=list)  # its event loop's lateness, sampled while it drove (sample_lag)
+
+
+@dataclass
 class Streams:
-    """A level's client streams once started: their future ((end, results) per driver), and /metrics, the
+    """A level's client streams once started: their future (a Driven per driver), and /metrics, the
     monotonic time and the client processes at their start."""
 
     done: asyncio.Future
@@ -440,20 +455,24 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
                 memory.append(sample_memory(finished, await scrape(client)))
             seen = finished
         progress.update(counts.finished.value - seen)
-        ends = drivers.result()
-        wall = max(end for end, _ in ends) - streams.t0
-        results = results_of(ends, n)
+        driven = drivers.result()
+        wall = max(d.end for d in driven) - streams.t0
+        results = results_of(driven, n)
         end = await wait_for_idle(client)
         memory.append(sample_memory(len(results), end))
-    return replace(summarize(policy, concurrency, results, wall, memory, streams.start, end),
-                   client_processes=streams.processes)
+    level = summarize(policy, concurrency, results, wall, memory, streams.start, end)
+    lags = [lag for d in driven for lag in d.lag_ms]
+    if wall > 0:
+        level.cpu_cores["clients"] = sum(d.cpu_s for d in driven) / wall
+    return replace(level, client_processes=streams.processes, client_lag_p50_ms=percentile(lags, 50),
+                   client_lag_p99_ms=percentile(lags, 99))
 
 
 
-def results_of(ends: list[tuple[float, list[RequestResult]]], sent: int) -> list[RequestResult]:
+def results_of(driven: list[Driven], sent: int) -> list[RequestResult]:
     """Every stream driver's results (Streams.done), and a failure for each of the `sent` requests that a
     client process took and never answered (it died)."""
-    results = [r for _, part in ends for r in part]
+    results = [r for d in driven for r in d.results]
     return results + [RequestResult("failed", "-", "its client process ended without results")] * (sent - len(results))
 
 
@@ -503,18 +522,33 @@ class Counts:
 
 
 async def drive(client, model: str, prompts: list[str], plan: LoadPlan, n: int, streams: int,
-                counts: Counts) -> tuple[float, list[RequestResult]]:
-    """`streams` clients send the level's requests back to back until n are taken; (monotonic time the
-    last finished, their results)."""
+                counts: Counts) -> Driven:
+    """`streams` clients send the level's requests back to back until n are taken; when the last finished,
+    their results, and this process's CPU time and event-loop lateness meanwhile."""
     results: list[RequestResult] = []
+    lags: list[float] = []
+    cpu = time.process_time()
 
     async def worker() -> None:
         while (i := counts.take(n)) is not None:
             results.append(await one_request(client, model, plan_request(plan, prompts, i)))
             counts.add(counts.finished)
 
+    sampler = asyncio.create_task(sample_lag(lags))
     await asyncio.gather(*(worker() for _ in range(streams)))
-    return time.monotonic(), results
+    sampler.cancel()
+    return Driven(time.monotonic(), results, time.process_time() - cpu, lags)
+
+
+async def sample_lag(lags: list[float]) -> None:
+    """Append how late (ms) the event loop runs a timer of LAG_TICK_S, again and again until cancelled. A
+    chunk that arrives while the loop is busy with other streams waits about as long before this client
+    reads it, so a client's TTFT and ITL include its lateness: a large one means the client, not the
+    server, is timing itself (more --client-processes share the streams)."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(LAG_TICK_S)
+        lags.append(1000 * max(0.0, time.perf_counter() - t - LAG_TICK_S))
 
 
 def start_clients(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, n: int, concurrency: int,
@@ -535,7 +569,7 @@ def start_clients(url: str, headers: dict, model: str, prompts: list[str], plan:
 def client_process(url: str, headers: dict, model: str, prompts: list[str], plan: LoadPlan, n: int, streams: int,
                    counts: Counts, queue: mp.Queue) -> None:
     """One client process: connect, say it is ready, wait for the start, drive its streams, answer (end, results)."""
-    async def main() -> tuple[float, list[RequestResult]]:
+    async def main() -> Driven:
         async with http_client(url, headers, streams) as client:
             counts.add(counts.ready)
             await asyncio.to_thread(counts.go.wait)
@@ -544,8 +578,8 @@ def client_process(url: str, headers: dict, model: str, prompts: list[str], plan
     queue.put(asyncio.run(main()))
 
 
-def wait_for(proc: mp.Process, queue: mp.Queue) -> tuple[float, list[RequestResult]]:
-    """A client process's (end, results); one that died without answering gives none (its requests then
+def wait_for(proc: mp.Process, queue: mp.Queue) -> Driven:
+    """A client process's answer (Driven); one that died without answering gives no results (its requests then
     count as lost). A process can answer and exit between a timed-out get and the liveness check: its
     answer is then still in the pipe, so a dead process's queue is read once more before giving up."""
     try:
@@ -558,7 +592,7 @@ def wait_for(proc: mp.Process, queue: mp.Queue) -> tuple[float, list[RequestResu
                 try:
                     return queue.get(timeout=1.0)
                 except queue_module.Empty:
-                    return time.monotonic(), []
+                    return Driven(time.monotonic(), [])
     finally:
         proc.join(timeout=10)
 
@@ -945,6 +979,13 @@ def decode_lines(levels: list[LevelResult]) -> list[str]:
             for lv in levels if lv.decode_shares]
 
 
+def client_lines(levels: list[LevelResult]) -> list[str]:
+    """Per level: the client processes that drove it, their CPU cores busy and their event loops' lateness."""
+    return [f"- {level_name(lv)}: {lv.client_processes} process{'es' if lv.client_processes > 1 else ''}, "
+            f"CPU cores busy {fmt(lv.cpu_cores.get('clients'), 2)}, event loop late by p50 {fmt(lv.client_lag_p50_ms, 2)} / "
+            f"p99 {fmt(lv.client_lag_p99_ms, 2)} ms" for lv in levels]
+
+
 def describe_sampling(config: dict) -> str:
     sets = config["sampling"]
     return sets[0]["name"] if len(sets) == 1 else "mixed, in turn: " + ", ".join(s["name"] for s in sets)
@@ -986,8 +1027,13 @@ def write_report(out: Path, config: dict, hw: dict, levels: list[LevelResult]) -
            "requests, reading their prompts, handing first tokens out), wait (for a step's outcome from the "
            "device), host (launching steps, handing their tokens out). CPU cores busy: the server's processes' "
            "CPU seconds over the level's wall (the engine; the HTTP frontend processes together, where HTTP is "
-           "served apart).", "", *decode_lines(levels), ""]
+           "served apart), and the clients' (below).", "", *decode_lines(levels), ""]
           if any(lv.decode_shares for lv in levels) else []),
+        "## The client", "", "The processes that drove each level's streams, their CPU seconds over the level's wall, "
+        "and how late their event loops ran a 1-ms timer, sampled throughout: a chunk that arrives while a loop "
+        "is busy with other streams waits about that long before it is read, so TTFT and ITL include it. Where "
+        "it is a sizeable part of TTFT, the client is timing itself: `--client-processes` spreads the streams "
+        "over more processes.", "", *client_lines(levels), "",
     ]
     return finish_report(paths, md, plot, "throughput vs concurrency")
 
