@@ -120,6 +120,19 @@ def test_gemm_bits_do_not_depend_on_threads_or_blocking():
         assert torch.equal(cpu_gemm.gemm(x, packed, None, 2000), alone), dtype
 
 
+def test_every_number_of_rows_gives_each_row_its_bits_alone():
+    """1 to 17 rows (a plain step, verify blocks, trees, small batches): each row gets the bits it gets alone,
+    whichever kernel its chunk of rows runs (the one-row kernel over 4 panels, the 6-row kernels, and with
+    AVX-512 the 16-row ones of float32 and block weights, which a verify block of 7-16 tokens takes)."""
+    for dtype in DTYPES:
+        w, x = randn(96, 576, dtype=dtype, seed=17), randn(17, 576, dtype=dtype, seed=18)
+        packed = cpu_gemm.pack(w)
+        bias = cpu_gemm.pad_bias(randn(96, dtype=torch.float32, seed=19), packed)
+        alone = torch.cat([cpu_gemm.gemm(x[i : i + 1], packed, bias, 96) for i in range(len(x))])
+        for M in range(1, len(x) + 1):
+            assert torch.equal(cpu_gemm.gemm(x[:M], packed, bias, 96), alone[:M]), (dtype, M)
+
+
 # --- the model ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
