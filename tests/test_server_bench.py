@@ -85,13 +85,13 @@ def test_a_busy_client_loop_shows_as_lateness():
         lags: list[float] = []
         sampler = asyncio.create_task(sample_lag(lags))
         for _ in range(5):
-            await asyncio.sleep(0.003)
-            time.sleep(blocked_s)  # holds the loop
+            await asyncio.sleep(0.006)
+            time.sleep(blocked_s)  # holds the loop past the sampler's timer
         sampler.cancel()
         return lags
 
-    busy, idle = asyncio.run(measure(0.02)), asyncio.run(measure(0.0))
-    assert max(busy) >= 15 and len(busy) >= 4
+    busy, idle = asyncio.run(measure(0.03)), asyncio.run(measure(0.0))
+    assert max(busy) >= 15 and len(busy) >= 3
     assert sorted(idle)[len(idle) // 2] < 5
 
 
