@@ -325,9 +325,9 @@ const char *specdec_isa(void) { return "avx2"; }
 /* float32 weights times 7+ rows with AVX-512 the same way: a row of a panel's 16 columns is one 512-bit
  * load feeding up to MRQ = 16 rows, so a verify block of 7-16 tokens reads the weights once where the
  * 6-row kernels read them two or three times. Default model in float32, 2-core AMD EPYC (AVX-512), a
- * forward of 9 tokens at a context of 256 (costs.measure_forward_times): 28.6 ms in chunks of 5 + 4
- * rows against 18.3 ms for one token. Per output the arithmetic is f32_R's (one FMA per k in order, then
- * the same epilogue); only the vector width differs. */
+ * forward of 9 tokens at a context of 256 (costs.measure_forward_times): 28.1-28.6 ms in chunks of 5 + 4
+ * rows, 21.6-24.5 ms in one, against about 18 ms for one token. Per output the arithmetic is f32_R's
+ * (one FMA per k in order, then the same epilogue); only the vector width differs. */
 #define KERNEL16_F32(R)                                                                                   \
     static void f32_16_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
                            const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
