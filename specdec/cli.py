@@ -693,7 +693,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed),
         repeats=args.repeats, draft_model=args.draft_model, drafter_extra=drafter_extra(args),
         dtype=args.dtype, device=args.device, kernels=args.kernels, gguf=args.gguf, chat=not args.raw, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-        policies=args.policies, gamma_max=args.gamma_max or max(args.gammas), confidence_threshold=args.confidence_threshold,
+        policies=args.policies, gamma_max=args.gamma_max or max(args.gammas, default=0), confidence_threshold=args.confidence_threshold,
         tp=args.tp,
     )
     speaks = os.environ.get("RANK", "0") == "0"  # under --tp every rank runs the bench; rank 0 speaks for them

@@ -128,6 +128,7 @@ def test_outputs_written(results, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--gammas", "0,2"], "gammas must be >= 1"),
+    (["--gammas", "", "--policies", "cost"], "gammas must be >= 1, got []"),
     (["--peers", "vllm"], "unknown peer"),
     (["--drafters", "magic"], "unknown drafter"),
     (["--peers", "hf-assisted"], "needs --draft-model"),
