@@ -304,50 +304,48 @@ const char *specdec_isa(void) { return "avx2"; }
 #define ROWS16(OP, R)                                                                                     \
     OP(0, R) OP(1, R) OP(2, R) OP(3, R) OP(4, R) OP(5, R) OP(6, R) OP(7, R)                               \
     OP(8, R) OP(9, R) OP(10, R) OP(11, R) OP(12, R) OP(13, R) OP(14, R) OP(15, R)
-#define KERNEL16_Q(NAME, FMT, R)                                                                          \
+/* One 16-row kernel: accumulators a0..a15, a walk over k that loads each weight row of the panel into w
+ * and runs ROWS16(ROW16, R), then the epilogue. The walks differ by weight type only. */
+#define KERNEL16(NAME, WALK, FMT, R)                                                                      \
     static void NAME##_16_##R(const float *restrict x, const void *restrict wv, float *restrict y,        \
                               const float *restrict scale, const float *restrict bias, int K, int ldy) { \
-        const uint8_t *restrict blk = wv;                                                                 \
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;   \
         __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;              \
-        for (int k0 = 0; k0 < K; k0 += QK, blk += FMT##_BLOCK) {                                         \
-            PREFETCH_BLOCK(blk, FMT##_BLOCK)                                                              \
-            SETUP16_##FMT(blk)                                                                            \
-            for (int k = k0; k < k0 + QK; k++) {                                                          \
-                LOAD16_##FMT(blk, k - k0)                                                                 \
-                ROWS16(ROW16, R)                                                                          \
-            }                                                                                             \
-        }                                                                                                 \
+        WALK(FMT, R)                                                                                      \
         const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);                           \
         const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                              \
         ROWS16(STORE16, R)                                                                                \
+    }
+#define WALK16_Q(FMT, R)                                                                                  \
+    const uint8_t *restrict blk = wv;                                                                     \
+    for (int k0 = 0; k0 < K; k0 += QK, blk += FMT##_BLOCK) {                                              \
+        PREFETCH_BLOCK(blk, FMT##_BLOCK)                                                                  \
+        SETUP16_##FMT(blk)                                                                                \
+        for (int k = k0; k < k0 + QK; k++) {                                                              \
+            LOAD16_##FMT(blk, k - k0)                                                                     \
+            ROWS16(ROW16, R)                                                                              \
+        }                                                                                                 \
     }
 /* float32 weights times 7+ rows with AVX-512 the same way: a row of a panel's 16 columns is one 512-bit
  * load feeding up to MRQ = 16 rows, so a verify block of 7-16 tokens reads the weights once where the
  * 6-row kernels read them two or three times. Default model in float32, 2-core AMD EPYC (AVX-512), a
  * forward of 9 tokens at a context of 256 (costs.measure_forward_times): 28.1-28.6 ms in chunks of 5 + 4
  * rows, 21.6-24.5 ms in one, against about 18 ms for one token. Per output the arithmetic is f32_R's
- * (one FMA per k in order, then the same epilogue); only the vector width differs. */
-#define KERNEL16_F32(R)                                                                                   \
-    static void f32_16_##R(const float *restrict x, const void *restrict wv, float *restrict y,           \
-                           const float *restrict scale, const float *restrict bias, int K, int ldy) {    \
-        const float *restrict wp = wv;                                                                    \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;   \
-        __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;              \
-        for (int k = 0; k < K; k++) {                                                                     \
-            PREFETCH_ROW(wp, k)                                                                           \
-            const __m512 w = _mm512_loadu_ps(wp + (size_t)k * NR);                                        \
-            ROWS16(ROW16, R)                                                                              \
-        }                                                                                                 \
-        const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);                           \
-        const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                              \
-        ROWS16(STORE16, R)                                                                                \
+ * (one FMA per k in order, then the same epilogue); only the vector width differs. FMT is unused. */
+#define WALK16_F32(FMT, R)                                                                                \
+    const float *restrict wp = wv;                                                                        \
+    for (int k = 0; k < K; k++) {                                                                         \
+        PREFETCH_ROW(wp, k)                                                                               \
+        const __m512 w = _mm512_loadu_ps(wp + (size_t)k * NR);                                            \
+        ROWS16(ROW16, R)                                                                                  \
     }
-#define KERNELS16_Q(NAME, FMT)                                                                            \
-    KERNEL16_Q(NAME, FMT, 1) KERNEL16_Q(NAME, FMT, 2) KERNEL16_Q(NAME, FMT, 3) KERNEL16_Q(NAME, FMT, 4)   \
-    KERNEL16_Q(NAME, FMT, 5) KERNEL16_Q(NAME, FMT, 6) KERNEL16_Q(NAME, FMT, 7) KERNEL16_Q(NAME, FMT, 8)   \
-    KERNEL16_Q(NAME, FMT, 9) KERNEL16_Q(NAME, FMT, 10) KERNEL16_Q(NAME, FMT, 11) KERNEL16_Q(NAME, FMT, 12) \
-    KERNEL16_Q(NAME, FMT, 13) KERNEL16_Q(NAME, FMT, 14) KERNEL16_Q(NAME, FMT, 15) KERNEL16_Q(NAME, FMT, 16) \
+#define KERNELS16(NAME, WALK, FMT)                                                                        \
+    KERNEL16(NAME, WALK, FMT, 1) KERNEL16(NAME, WALK, FMT, 2) KERNEL16(NAME, WALK, FMT, 3)                \
+    KERNEL16(NAME, WALK, FMT, 4) KERNEL16(NAME, WALK, FMT, 5) KERNEL16(NAME, WALK, FMT, 6)                \
+    KERNEL16(NAME, WALK, FMT, 7) KERNEL16(NAME, WALK, FMT, 8) KERNEL16(NAME, WALK, FMT, 9)                \
+    KERNEL16(NAME, WALK, FMT, 10) KERNEL16(NAME, WALK, FMT, 11) KERNEL16(NAME, WALK, FMT, 12)             \
+    KERNEL16(NAME, WALK, FMT, 13) KERNEL16(NAME, WALK, FMT, 14) KERNEL16(NAME, WALK, FMT, 15)             \
+    KERNEL16(NAME, WALK, FMT, 16)                                                                         \
     static const kernel_fn NAME##_16_table[MRQ + 1] = {0, NAME##_16_1, NAME##_16_2, NAME##_16_3, NAME##_16_4, \
         NAME##_16_5, NAME##_16_6, NAME##_16_7, NAME##_16_8, NAME##_16_9, NAME##_16_10, NAME##_16_11,      \
         NAME##_16_12, NAME##_16_13, NAME##_16_14, NAME##_16_15, NAME##_16_16};
@@ -431,15 +429,10 @@ KERNELS_FOR_Q(q8_0, Q8_0)
 
 static const kernel_fn *const tables[WEIGHT_TYPES] = {f32_table, bf16_table, i8_table, q4_0_table, q4_1_table, q8_0_table};
 #if defined(__AVX512F__)
-KERNELS16_Q(q4_0, Q4_0)
-KERNELS16_Q(q4_1, Q4_1)
-KERNELS16_Q(q8_0, Q8_0)
-KERNEL16_F32(1) KERNEL16_F32(2) KERNEL16_F32(3) KERNEL16_F32(4) KERNEL16_F32(5) KERNEL16_F32(6) KERNEL16_F32(7)
-KERNEL16_F32(8) KERNEL16_F32(9) KERNEL16_F32(10) KERNEL16_F32(11) KERNEL16_F32(12) KERNEL16_F32(13) KERNEL16_F32(14)
-KERNEL16_F32(15) KERNEL16_F32(16)
-static const kernel_fn f32_16_table[MRQ + 1] = {0, f32_16_1, f32_16_2, f32_16_3, f32_16_4, f32_16_5, f32_16_6, f32_16_7,
-                                                f32_16_8, f32_16_9, f32_16_10, f32_16_11, f32_16_12, f32_16_13, f32_16_14,
-                                                f32_16_15, f32_16_16};
+KERNELS16(q4_0, WALK16_Q, Q4_0)
+KERNELS16(q4_1, WALK16_Q, Q4_1)
+KERNELS16(q8_0, WALK16_Q, Q8_0)
+KERNELS16(f32, WALK16_F32, F32)
 /* 7+ rows of a float32 or block-quantised weight: chunks of up to MRQ rows, without widening (see MRQ) */
 static const kernel_fn *const tables16[WEIGHT_TYPES] = {f32_16_table, 0, 0, q4_0_16_table, q4_1_16_table, q8_0_16_table};
 #else
