@@ -462,10 +462,9 @@ async def run_level(url: str, headers: dict, model: str, prompts: list[str], pol
         memory.append(sample_memory(len(results), end))
     level = summarize(policy, concurrency, results, wall, memory, streams.start, end)
     lags = [lag for d in driven for lag in d.lag_ms]
-    if wall > 0:
-        level.cpu_cores["clients"] = sum(d.cpu_s for d in driven) / wall
-    return replace(level, client_processes=streams.processes, client_lag_p50_ms=percentile(lags, 50),
-                   client_lag_p99_ms=percentile(lags, 99))
+    clients = {"clients": sum(d.cpu_s for d in driven) / wall} if wall > 0 else {}
+    return replace(level, cpu_cores={**level.cpu_cores, **clients}, client_processes=streams.processes,
+                   client_lag_p50_ms=percentile(lags, 50), client_lag_p99_ms=percentile(lags, 99))
 
 
 
