@@ -123,7 +123,8 @@ def test_gemm_bits_do_not_depend_on_threads_or_blocking():
 def test_every_number_of_rows_gives_each_row_its_bits_alone():
     """1 to 17 rows (a plain step, verify blocks, trees, small batches): each row gets the bits it gets alone,
     whichever kernel its chunk of rows runs (the one-row kernel over 4 panels, the 6-row kernels, and with
-    AVX-512 the 16-row ones of float32 and block weights, which a verify block of 7-16 tokens takes)."""
+    AVX-512 the float32 16-row ones, which a verify block of 7-16 tokens takes; block weights' 16-row
+    kernels: test_gguf_native)."""
     for dtype in DTYPES:
         w, x = randn(96, 576, dtype=dtype, seed=17), randn(17, 576, dtype=dtype, seed=18)
         packed = cpu_gemm.pack(w)
