@@ -33,7 +33,11 @@ def test_turns_alternate_under_one_load_and_free_every_row(model, tmp_path):
                                                          (1, "off"), (2, "off"), (2, "cost"), (2, CONTROL)]  # reversed
     assert all(t.tokens > 0 and 0.25 < t.seconds < 1.5 for t in load.turns)
     assert all(set(t.steps_by_gamma) <= {0} for t in load.turns if t.policy in ("off", CONTROL))
-    assert all(0 < t.step_tokens <= t.tokens and 0 < t.step_seconds < t.seconds for t in load.turns)
+    # A step counts whole when it is read, so the one that straddles a turn's start adds time from before it: on
+    # a busy machine a turn's steps can sum past its wall time, though not to twice it. A counter taken whole, not
+    # as the turn's difference, would be several turns' worth.
+    figures = [(t.tokens, t.step_tokens, t.seconds, t.step_seconds) for t in load.turns]
+    assert all(0 < t.step_tokens <= t.tokens and 0 < t.step_seconds < 2 * t.seconds for t in load.turns), figures
     assert [t.start_s for t in load.turns] == sorted(t.start_s for t in load.turns) and load.turns[0].start_s >= 0.3  # after the ramp
     assert load.requests > 2 and load.ok == load.requests and load.lost == 0 and load.rows_freed  # stopped cleanly
     files = write_switchback_report(tmp_path, {"model": health["model"], "drafter": "ngram", "gamma": 3, "max_tokens": 6,
