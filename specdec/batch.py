@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from specdec.config import SamplingParams
+from specdec.kv_cache import KVCache
 from specdec.metrics import SpecStats
 from specdec.sampling import TOP_K_CAP, RowSampling, seed_of
 from specdec.transfer import fill_slot, to_device
@@ -87,6 +88,9 @@ class RowBatch:
         self.eos_ids = frozenset(eos_ids)  # the same, on the host (first_token_outcome)
         self.rows: dict[int, Row] = {}
         self.draft = None  # the drafter's per-slot state (drafter.attach)
+        # the target's KV cache (new_stepper sets it before drafter.attach): a draft made of the target's
+        # first layers reads their keys and values there instead of keeping its own (layer_skip)
+        self.target_cache: KVCache | None = None
         # set by Stepper.launch before a drafter that drafts ahead proposes: the launch's serial, and
         # {slot: serial} of the steps launched over this batch's rows and not yet read
         self.serial = 0
@@ -118,6 +122,7 @@ class RowBatch:
             setattr(view, name, getattr(self, name)[:n])
         view.sampling = self.sampling.index(slice(0, n))
         view.draft = head_of(self.draft, n)
+        view.target_cache = None if self.target_cache is None else self.target_cache.head(n)
         return view
 
     def free_slots(self) -> list[int]:

@@ -47,6 +47,15 @@ class KVCache:
         view.max_len, view.static = self.max_len, self.static
         return view
 
+    def first_layers(self, n: int) -> "KVCache":
+        """Layers 0..n-1 as a cache of their own, with lengths of its own (views of the keys and values:
+        writes land in this cache). A draft made of a model's first n layers reads and writes its
+        entries there (layer_skip)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.lengths = self.k[:n], self.v[:n], self.lengths.clone()
+        view.max_len, view.static = self.max_len, self.static
+        return view
+
     def reserve(self, num_new: int) -> Tensor:
         """Slots [B, T] the next `num_new` tokens of each row go to. Fails loudly instead of overflowing."""
         slots = self.lengths[:, None] + torch.arange(num_new, device=self.lengths.device)  # [B, T]

@@ -976,6 +976,6 @@ def new_stepper(target, drafter: Drafter, capacity: int, max_len: int, eos_ids: 
     device = next(target.parameters()).device
     graphs = device.type == "cuda" if graphs is None else graphs
     batch = RowBatch(capacity, max_len, eos_ids, device, static=graphs)
+    cache = batch.target_cache = target.new_cache(capacity, max_len, static=graphs)
     drafter.attach(batch)
-    cache = target.new_cache(capacity, max_len, static=graphs)
     return Stepper(target, drafter, batch, cache, graphs, decode)

@@ -7,7 +7,8 @@ fixed-width chunks (the graphed steppers' path, here run eagerly on a static bat
   scratch; through stretches at gamma 0 short and long (one forward for every row, or one per row far behind; one chunk, or more run
   by the host), rows at different gammas, and a row leaving and a new one joining its slot;
 - in chunks, the host's bound (Lag) leaves no row behind when the head or the draft model drafts;
-- a step at gamma 0 runs no head or draft forward at all, nor does a prompt joining in gaps.
+- a step at gamma 0 runs no head or draft forward at all, nor does a prompt joining in gaps;
+- layer_skip's first layers read the target's own cache in gaps: one token fed a row before its drafts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from conftest import DEVICE
 from specdec.batch import Request, RowBatch, eos_ids
 from specdec.drafters.catch_up import SHORT_GAP
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.layer_skip import LayerSkipDrafter
 from specdec.drafters.eagle import EagleDrafter, EagleTreeConfig
 from specdec.step import Stepper, StepRecord, new_stepper
 from test_eagle import random_head
@@ -181,6 +183,50 @@ def test_draft_model_caught_up_drafts_equal_drafts_fed_from_scratch(models, how)
 
     run_schedule(lazy, check)
     assert set(checked) == {0, 1} and len(checked) >= sum(g > 0 for g, _ in SCHEDULE)
+
+
+def test_layer_skip_of_the_first_layers_drafts_from_the_targets_own_cache(models, plain, monkeypatch):  # noqa: F811
+    """The target's first layers as the draft, in gaps: their keys and values are the target's cache's (no cache
+    of its own), every drafting step feeds one token a row before its drafts, however long the stretch at
+    gamma 0 before it (gamma forwards a drafting step: the pending token's and gamma - 1 drafts'), and its
+    chains are bitwise what the same layers give fed the row's whole history from scratch. The draft writes
+    the target's cache, so the target's own output is checked too: plain greedy decoding's."""
+    target, _, _ = models
+    drafter = LayerSkipDrafter(target, [0])
+    stepper = new_stepper(target, drafter, 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+    state = stepper.batch.draft
+    assert state.cache.k.data_ptr() == stepper.cache.k.data_ptr() and state.follows is stepper.cache.lengths
+    forwards, checked = [], []
+    forward = drafter.draft.forward
+    monkeypatch.setattr(drafter.draft, "forward", lambda *a, **k: forwards.append(1) or forward(*a, **k))
+
+    def check(stepper: Stepper, record: StepRecord) -> None:
+        batch = stepper.batch
+        for b in range(2):
+            if record.active[b]:
+                L = int(batch.prompt_length[b]) + record.num_generated[b]
+                with monkeypatch.context() as m:  # the from-scratch reference's forwards are not the step's
+                    m.setattr(drafter.draft, "forward", forward)
+                    expected = greedy_chain(drafter.draft, batch.tokens[b, :L].tolist(), record.draft_tokens.shape[1])
+                assert record.draft_tokens[b].tolist() == expected, (len(checked), b)
+                checked.append(b)
+
+    run_schedule(stepper, check)
+    assert set(checked) == {0, 1} and len(forwards) == sum(g for g, _ in SCHEDULE)
+    for slot, prompt in ((0, 2), (1, 0)):  # slot 1's second row joined at LEAVE_AT
+        generated = stepper.batch.rows[slot].generated
+        assert len(generated) > 5 and generated == plain[prompt][: len(generated)]
+
+
+def test_layer_skip_keeps_a_cache_of_its_own_where_it_cannot_share_the_targets(models):  # noqa: F811
+    """Layers other than the first ones (their inputs differ from the target's there), or a catch-up in chunks
+    (whose padding runs past a row's length, where the target's cache has no spare slots): a cache of its own."""
+    target, _, _ = models
+    skipping = new_stepper(target, LayerSkipDrafter(target, [1]), 2, MAX_LEN, list(eos_ids(target)), graphs=False)
+    chunks = chunked_stepper(target, LayerSkipDrafter(target, [0]))
+    for stepper in (skipping, chunks):
+        state = stepper.batch.draft
+        assert state.follows is None and state.cache.k.data_ptr() != stepper.cache.k.data_ptr()
 
 
 def greedy_chain(draft, history: list[int], k: int) -> list[int]:

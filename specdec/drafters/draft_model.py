@@ -77,6 +77,9 @@ def draw(logits: Tensor, batch, u: Tensor | None) -> tuple[Tensor, Tensor | None
 class DraftState:
     cache: KVCache  # the draft's, one row per slot (SHORT_GAP spare slots: a catch-up's padding)
     lag: Lag | None = None  # a chunked catch-up's host-side bound; None: in gaps (catch_up.py)
+    # [B] the target cache's lengths, where `cache` is a view of the target's own first layers (layer_skip):
+    # the draft has then been fed whatever the target has read, all but a row's pending token
+    follows: Tensor | None = None
 
 
 class DraftModelDrafter:
@@ -140,6 +143,8 @@ class DraftModelDrafter:
         [B, V_draft] logits at the pending token (zeros for rows not running: they draft, masked, from
         nothing)."""
         state = batch.draft
+        if state.follows is not None:
+            state.cache.lengths.copy_(state.follows)
         gap = torch.where(batch.active, batch.length - state.cache.lengths, 0).clamp(min=0)  # [B] tokens to feed
 
         def feed(view: KVCache, rows: slice, positions: Tensor, last: Tensor) -> Tensor:
