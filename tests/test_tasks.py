@@ -95,6 +95,8 @@ def test_limit_takes_the_first_n(tmp_path):
     ("emptyq.jsonl", '{"question": "  "}\n', r"emptyq.jsonl:1: 'question' must be a non-empty string"),
     ("badanswer.jsonl", '{"question": "q", "answer": "no number here"}\n', r"badanswer.jsonl:1: 'answer' must end in"),
     ("tasks.csv", "question\nhi\n", r"unsupported task file type '.csv'"),
+    ("twice.jsonl", '{"question_id": 1, "turns": ["a"]}\n{"question_id": 2, "turns": ["b"]}\n{"question_id": 1, "turns": ["c"]}\n',
+     r"twice.jsonl:3: question_id '1' repeats .*twice.jsonl:1's"),
 ])
 def test_bad_files_raise_one_line_user_errors(tmp_path, name, content, message):
     path = tmp_path / name

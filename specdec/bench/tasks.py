@@ -10,7 +10,8 @@
   (MT-bench / Spec-Bench style: the first turn is the prompt; optional `category`, `question_id`,
   and `answer` as above);
 - a `.txt` file with one prompt per line (blank lines skipped).
-Anything else, an empty set or a bad line raises UserError with one line naming the file and line.
+Anything else, an empty set, a bad line or a repeated `question_id` raises UserError with one line naming
+the file and line.
 
 Prompts are plain user messages: the engine applies the chat template (specdec.api.encode_prompt).
 A task's `reference` is the normalised final number (see `normalise_number`) or None where unknown.
@@ -99,7 +100,17 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
 
 
 def read_jsonl(path: Path, name: str) -> list[Task]:
-    return [parse_record(record, where, f"{name}-{i}") for i, (where, record) in enumerate(read_records(path))]
+    """The file's tasks; UserError where two lines give the same `question_id` (two files run together,
+    say): reports and the lossless check match each method's output to plain's by task id."""
+    tasks, first = [], {}
+    for i, (where, record) in enumerate(read_records(path)):
+        task = parse_record(record, where, f"{name}-{i}")
+        if task.id in first:
+            raise UserError(f"{where}: question_id {task.id!r} repeats {first[task.id]}'s: give every task its own "
+                            f"id (results are matched prompt by prompt by id)")
+        first[task.id] = where
+        tasks.append(task)
+    return tasks
 
 
 def parse_record(record: dict, where: str, default_id: str) -> Task:
