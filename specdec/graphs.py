@@ -258,10 +258,8 @@ class PrefillGraphs:
             self.slots = self.model.new_cache(1, self.max_tokens, static=True)
         slots = self.slots
         L, _, H, _, Dh = slots.k.shape
-        scratch = KVCache.__new__(KVCache)
-        scratch.k, scratch.v = (t.view(-1)[: L * R * H * S * Dh].view(L, R, H, S, Dh) for t in (slots.k, slots.v))
-        scratch.lengths = torch.zeros(R, dtype=torch.long, device=slots.k.device)
-        scratch.max_len, scratch.static = S, True
+        k, v = (t.view(-1)[: L * R * H * S * Dh].view(L, R, H, S, Dh) for t in (slots.k, slots.v))
+        scratch = KVCache.over(k, v, torch.zeros(R, dtype=torch.long, device=slots.k.device), S, static=True)
         tokens = torch.zeros(R, S, dtype=torch.long, device=slots.k.device)
         positions = torch.arange(S, device=slots.k.device).expand(R, S).contiguous()
         last = torch.zeros(R, dtype=torch.long, device=slots.k.device)

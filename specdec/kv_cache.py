@@ -40,21 +40,23 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    @classmethod
+    def over(cls, k: Tensor, v: Tensor, lengths: Tensor, max_len: int, static: bool) -> "KVCache":
+        """A cache over existing keys, values [L, B, H, S, Dh] and lengths [B] (views or storage of another
+        cache's: writes land there)."""
+        view = cls.__new__(cls)
+        view.k, view.v, view.lengths, view.max_len, view.static = k, v, lengths, max_len, static
+        return view
+
     def head(self, n: int) -> "KVCache":
         """Rows 0..n-1 as a cache of their own (views: writes land in this cache)."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.lengths = self.k[:, :n], self.v[:, :n], self.lengths[:n]
-        view.max_len, view.static = self.max_len, self.static
-        return view
+        return KVCache.over(self.k[:, :n], self.v[:, :n], self.lengths[:n], self.max_len, self.static)
 
     def first_layers(self, n: int) -> "KVCache":
         """Layers 0..n-1 as a cache of their own, with lengths of its own (views of the keys and values:
         writes land in this cache). A draft made of a model's first n layers reads and writes its
         entries there (layer_skip)."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.lengths = self.k[:n], self.v[:n], self.lengths.clone()
-        view.max_len, view.static = self.max_len, self.static
-        return view
+        return KVCache.over(self.k[:n], self.v[:n], self.lengths.clone(), self.max_len, self.static)
 
     def reserve(self, num_new: int) -> Tensor:
         """Slots [B, T] the next `num_new` tokens of each row go to. Fails loudly instead of overflowing."""

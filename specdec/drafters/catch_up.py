@@ -130,7 +130,4 @@ def feed_chunk(cache: KVCache, gap: Tensor, feed: Feed, width: int) -> Tensor:
 
 def row_of(cache: KVCache, b: int) -> KVCache:
     """Row b as a cache of its own (views: writes land in `cache`)."""
-    view = KVCache.__new__(KVCache)
-    view.k, view.v, view.lengths = cache.k[:, b : b + 1], cache.v[:, b : b + 1], cache.lengths[b : b + 1]
-    view.max_len, view.static = cache.max_len, cache.static
-    return view
+    return KVCache.over(cache.k[:, b : b + 1], cache.v[:, b : b + 1], cache.lengths[b : b + 1], cache.max_len, cache.static)

@@ -75,7 +75,7 @@ def draw(logits: Tensor, batch, u: Tensor | None) -> tuple[Tensor, Tensor | None
 
 @dataclass
 class DraftState:
-    cache: KVCache  # the draft's, one row per slot (SHORT_GAP spare slots: a catch-up's padding)
+    cache: KVCache  # the draft's, one row per slot (SHORT_GAP spare slots: a catch-up's padding), or `follows`'s view
     lag: Lag | None = None  # a chunked catch-up's host-side bound; None: in gaps (catch_up.py)
     # [B] the target cache's lengths, where `cache` is a view of the target's own first layers (layer_skip):
     # the draft has then been fed whatever the target has read, all but a row's pending token

@@ -36,11 +36,8 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(target, layer_subset(target, layers))
         self.first_layers = list(layers) == list(range(len(layers)))
 
-    def shares_target_cache(self, batch) -> bool:
-        return self.first_layers and catches_up(batch) and batch.target_cache is not None
-
     def attach(self, batch) -> None:
-        if not self.shares_target_cache(batch):
+        if not (self.first_layers and catches_up(batch) and batch.target_cache is not None):
             return super().attach(batch)
         target = batch.target_cache
         batch.draft = DraftState(target.first_layers(len(self.draft.layers)), follows=target.lengths)
