@@ -168,7 +168,9 @@ def observe(policy: GammaPolicy, report, idle: list[int] | None) -> None:
     (`idle`, decode_rows): that feed is the drafter's deferred prefill, which the request pays once if it
     drafts at all, not a cost of each draft. Counted, the first draft of a request (an EAGLE step of 2.88
     plain ones, 2-core CPU, native default model) made c 0.532 where drafting steps measure 0.13-0.15,
-    and the cost policy never drafted again in that engine (docs/design.md, "Pricing a step")."""
+    and the cost policy never drafted again in that engine (docs/design.md, "Pricing a step"). Nor the
+    costs of a step timed across a compile (StepReport.compiled), for the same reason: `suffix`'s first
+    drafts on an H200 compiled its device part, and under `cost` it then drafted nothing on `mixed`."""
     drafted = [step.drafted for step in report.rows]
     policy.observe([step.row.slot for step in report.rows], drafted, [step.accepted for step in report.rows])
     caught_up = False
@@ -176,6 +178,6 @@ def observe(policy: GammaPolicy, report, idle: list[int] | None) -> None:
         for step in report.rows:
             caught_up |= step.drafted > 0 and idle[step.row.slot] >= SHORT_GAP
             idle[step.row.slot] = 0 if step.drafted else idle[step.row.slot] + 1
-    if policy.cost is not None and not caught_up:
+    if policy.cost is not None and not caught_up and not report.compiled:
         policy.cost.observe_draft(report.draft_s, sum(drafted))
         policy.cost.observe_step(report.gamma, report.wall_s)

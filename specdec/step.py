@@ -278,6 +278,7 @@ class Launched:
     # before the step is read (a server admits rows while a step is in flight) holds a row it did not run
     start: float = 0.0  # time.perf_counter() when its launch began
     serial: int = 0  # unique over every stepper (LAUNCHES)
+    compiles: int = 0  # fused.graphs_compiled() when its launch began
 
 
 LAUNCHES = itertools.count(1)  # launch serials: a host drafter tells its own steps in flight by them (RowBatch.in_flight)
@@ -309,6 +310,9 @@ class StepReport:
     gamma: int  # what the step ran at (Launched.gamma)
     wait_s: float = 0.0  # the host's wait for this outcome (read)
     wall_s: float = 0.0  # the step's whole time as the host sees it (Stepper.read): what the cost policies price
+    # torch compiled a graph between this step's launch and its read (a host drafter's device part meeting a
+    # new shape, say): its times include the compiler, so no cost policy learns from them
+    compiled: bool = False
 
 
 @dataclass
@@ -686,7 +690,7 @@ class Stepper:
         """Enqueue one step in which each row drafts up to min(gamma, batch.gamma[row]) tokens (eagerly
         with an observer, or when asked). A greedy batch's chain whose longest row the host knows (a host
         drafter's; any on a CPU) runs at the narrowest gamma that holds it (`narrow`)."""
-        t = time.perf_counter()
+        t, compiles = time.perf_counter(), fused.graphs_compiled()
         batch, drafter = self.batch, self.drafter
         gamma, shape = step_shape(drafter, gamma)
         any_sampled, max_top_k = batch.sampling_mode()
@@ -727,7 +731,7 @@ class Stepper:
         if lag is not None:
             lag.stepped(shape.depth if gamma else 0)
         launched = self.copy_out(out, watch, gamma)
-        launched.rows, launched.start, launched.serial = dict(batch.rows), t, serial
+        launched.rows, launched.start, launched.serial, launched.compiles = dict(batch.rows), t, serial, compiles
         if observer is not None:
             observer(out.record)
         self.in_flight.append(launched)
@@ -911,6 +915,7 @@ class Stepper:
         now = time.perf_counter()
         self.times.host_s += now - waited
         report.wall_s, self.last_read = now - max(launched.start, self.last_read), now
+        report.compiled = fused.graphs_compiled() != launched.compiles
         return report
 
     def absorb(self, packed: list[list[int]], rows: dict[int, Row]) -> list[RowStep]:

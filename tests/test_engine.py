@@ -176,6 +176,45 @@ def test_the_cost_policy_prices_whole_steps_by_the_hosts_clock(models, monkeypat
     assert seen and min(seen) >= 0.02
 
 
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_step_timed_across_a_compile_teaches_the_cost_policy_nothing(models, monkeypatch, compiles):
+    """A drafting step during which torch compiled a graph (a host drafter's device part meeting a new
+    shape on a GPU: seconds) is timed with the compiler in it. Learnt from, it priced a draft token at
+    hundreds of plain steps, and `cost` never drafted again in that engine (`suffix` on `mixed`, H200).
+    Here a draft of the target itself (every token accepted) has its second drafting step slowed by 0.3 s,
+    as a compile would (its first catches the row up, which is not learnt from either). Where that step
+    counts as a compile, c stays a draft's own and the next call drafts; where it does not (the control),
+    c takes the 0.3 s and the next call drafts nothing."""
+    import time
+
+    from torch._dynamo.utils import counters
+
+    from specdec import step as step_module
+
+    target, _, _ = models
+    propose, drafting = step_module.propose, []
+
+    def propose_slowly_once(drafter, batch, gamma, shape, any_sampled):
+        if gamma:
+            drafting.append(gamma)
+        if len(drafting) == 2 and gamma:
+            time.sleep(0.3)
+            if compiles:
+                counters["stats"]["unique_graphs"] += 1
+        return propose(drafter, batch, gamma, shape, any_sampled)
+
+    monkeypatch.setattr(step_module, "propose", propose_slowly_once)
+    engine = SpecEngine(target, "draft_model", DrafterOptions(draft_model=target))
+    config = SpecConfig(gamma_policy="cost", max_new_tokens=24)
+    engine.generate([PROMPTS[0]], config)
+    assert len(drafting) >= 2
+    second = engine.generate([PROMPTS[0]], config)
+    if compiles:
+        assert engine.cost_model.c < 10 and second.stats.drafted > 0
+    else:
+        assert engine.cost_model.c > 10 and second.stats.drafted == 0
+
+
 @pytest.mark.parametrize("policy, temperature, gammas", [("cost", 0.0, [0, 1, 2, 3]), ("fixed", 0.8, [3])])
 def test_every_step_shape_a_policy_may_choose_is_captured_before_the_clock(models, monkeypatch, policy, temperature,
                                                                           gammas):

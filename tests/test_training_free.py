@@ -404,7 +404,7 @@ def test_a_lazy_drafters_catch_up_is_not_priced_as_drafting():
 
     def step(drafted: int, draft_s: float) -> SimpleNamespace:
         return SimpleNamespace(rows=[SimpleNamespace(row=row, drafted=drafted, accepted=drafted)], draft_s=draft_s,
-                               verify_s=0.05, wall_s=draft_s + 0.05, gamma=drafted)
+                               verify_s=0.05, wall_s=draft_s + 0.05, gamma=drafted, compiled=False)
 
     idle = [SHORT_GAP]  # a row just prefilled
     observe(policy, step(3, 0.5), idle)  # its first draft caught it up over its prompt

@@ -55,6 +55,13 @@ def compiled(fn):
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has built in this process. A compile takes seconds on the thread that
+    meets a new shape, so a step timed across one times the compiler (StepReport.compiled). Read from
+    dynamo's own counters, which count every compile and recompile of every function."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 @contextmanager
 def fusing():
     """Within: elementwise pieces on CUDA run through their compiled kernels."""

@@ -282,9 +282,10 @@ class SpecPolicy:
             return
         self.steps.observe(B, g, seconds, self.predicted_step_s)
 
-    def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float) -> None:
+    def observe_step(self, budgets: list[int], accepted: list[int], draft_s: float | None) -> None:
+        """A step's acceptance, and its drafting time (None: not to be learnt from, StepReport.compiled)."""
         self.overall.pool(budgets, accepted)
-        if any(budgets):
+        if any(budgets) and draft_s is not None:
             self.draft_samples += 1
             self.draft_s_per_row += (draft_s / len(budgets) - self.draft_s_per_row) / min(self.draft_samples, 100)
 

@@ -731,7 +731,7 @@ class Scheduler:
         self.waited += report.wait_s
         self.metrics.add_decode_time("wait", report.wait_s)
         if report.rows:  # not a step whose rows all finished or left before it was read: it counts nowhere
-            if launch.timed:
+            if launch.timed and not report.compiled:  # a compile's seconds are not the step's (StepReport.compiled)
                 self.policy.observe_step_time(launch.n, report.gamma, report.wall_s)
             self.absorb_reports([report], launch.gamma)
         self.remove_finished()
@@ -800,7 +800,7 @@ class Scheduler:
                                   self.running[rs.row.slot].request.max_tokens - (len(rs.row.generated) - len(rs.new)) - 1))
                        for rs in report.rows]
             accepted = [rs.accepted for rs in report.rows]
-            self.policy.observe_step(budgets, accepted, report.draft_s)
+            self.policy.observe_step(budgets, accepted, None if report.compiled else report.draft_s)
             self.acceptance.observe([rs.row.slot for rs in report.rows], budgets, accepted)
             self.metrics.observe_step(len(report.rows), gamma, [rs.drafted for rs in report.rows], accepted)
             for rs in report.rows:
