@@ -7,8 +7,9 @@ blocks times activations quantised to int8 per block of 32.
   output is bitwise the same alone, in a block of rows and on any threads. The tolerance is far below
   the activations' rounding, which the test checks, so a kernel that skipped it would fail.
 - The drafter: greedy speculative output equals plain decoding (gamma 2 and 4, float32 and bfloat16
-  targets, a quantised target); the draft's kernel path is reported; the CLI refuses bad combinations
-  with one line.
+  targets, a quantised target); sampled output follows plain sampling's distribution, and a verifier
+  that keeps every draft is caught; the draft's kernel path is reported; the CLI refuses bad
+  combinations with one line.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from specdec.models.kernels import draft_kernel_path
 from specdec.models.views import HEAD_FORMATS
 from test_engine import MAX_NEW, PROMPTS
 from test_gguf_native import quantise_native
+from test_sampling_e2e import ALPHA, PROMPT, ROWS, VOCAB, always_accept, distribution_pvalues, tokens_of
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
@@ -220,6 +222,42 @@ def test_greedy_speculation_equals_plain_decoding(targets, fmt, gamma, target):
     assert path.name == "cpu-exact" and path.weights == f"{layers}, the head's top 8 rescored in int8"
     status = cpu_gemm.build_status()
     assert f"({status['isa']}; int8 dot products: {status['int_dot']})" in path.detail and "one C call" in path.detail
+
+
+@pytest.fixture(scope="module")
+def sampling(tmp_path_factory):
+    """(a 3-layer tiny target of VOCAB tokens, its plain samples [ROWS, 4]). Its logits are sharp (scale
+    64), so the 4-bit copy's distributions differ from the target's enough (acceptance about 0.91) that
+    keeping every draft shows (p about 1e-41); at scale 4 (acceptance 0.96) it did not (p 0.69). VOCAB (12)
+    is not a whole number of the kernels' panels, as a vocabulary of 32001 is not: the head's logits are a
+    view of wider rows."""
+    target = tiny_pair(tmp_path_factory.mktemp("int-dot-sampling"), "llama", seed=0, logit_scale=64.0, vocab_size=VOCAB,
+                       num_hidden_layers=3)[0]
+    return target, tokens_of(sample(target, None, seed=1))
+
+
+def sample(target, fmt: str | None, seed: int):
+    """ROWS samples of PROMPT at temperature 1: plain (fmt None), or drafted by the 4-bit copy at gamma 3."""
+    drafter, options = ("none", None) if fmt is None else ("quantized", DrafterOptions(extra={"quant_format": fmt}))
+    spec = specdec.SpecConfig(gamma=3, max_new_tokens=4, sampling=specdec.SamplingParams(temperature=1.0, seed=seed))
+    return specdec.SpecEngine(target, drafter, options).generate([PROMPT] * ROWS, spec)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sampled_speculation_follows_plain_sampling(sampling, fmt):
+    target, plain = sampling
+    out = sample(target, fmt, seed=2)
+    assert 0 < out.stats.accepted < out.stats.drafted  # both acceptance and rejection were exercised
+    pvalues = distribution_pvalues(tokens_of(out), plain)
+    assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues  # Bonferroni over the checks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_verifier_that_keeps_every_draft_is_caught(sampling, fmt, monkeypatch):
+    target, plain = sampling
+    monkeypatch.setattr(specdec.verify, "rejection_sample", always_accept)
+    pvalues = distribution_pvalues(tokens_of(sample(target, fmt, seed=2)), plain)
+    assert min(pvalues.values()) < ALPHA, pvalues
 
 
 def test_a_4_bit_heads_best_logits_are_rescored_by_the_targets_rows():

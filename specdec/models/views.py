@@ -105,8 +105,10 @@ class RescoredHead:
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
         return cls(torch.round(w / scale[:, None]).to(torch.int8), scale)
 
-    def apply(self, logits: Tensor, hidden: Tensor) -> Tensor:  # [B, T, V] float32 (rescored in place), [B, T, D]
-        return cpu_gemm.rescore(logits, hidden, self.weight, self.scale, RESCORED)
+    def apply(self, logits: Tensor, hidden: Tensor) -> Tensor:  # [B, T, V] float32, [B, T, D]
+        """The logits rescored: in place, or in a copy where they are a view of wider rows (a head whose
+        vocabulary is not a whole number of the kernel's panels leaves its last columns out)."""
+        return cpu_gemm.rescore(logits.contiguous(), hidden, self.weight, self.scale, RESCORED)
 
 
 class QuantizedCopy(LlamaModel):
