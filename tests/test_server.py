@@ -1082,6 +1082,37 @@ def test_cost_policy_times_the_whole_step_launch_included(model, monkeypatch):
     assert seen and min(seen) >= 0.03
 
 
+@pytest.mark.skipif(torch.device(DEVICE).type == "cuda", reason="a CPU step runs in its launch (run_phases)")
+def test_a_step_timed_across_a_compile_teaches_the_servers_cost_policy_nothing(model, monkeypatch):
+    """Each step here counts as one during which torch compiled a graph (StepReport.compiled): the cost
+    policy learns neither its time nor its drafting time, while the steps still run and hand tokens out.
+    Without the flag the same steps are learnt (test_cost_policy_times_the_whole_step_launch_included)."""
+    from torch._dynamo.utils import counters
+
+    from specdec.step import Stepper
+
+    scheduler = make_scheduler(model, policy="cost", costs=linear_costs())
+    learnt, drafted, run_phases = [], [], Stepper.run_phases
+    observe_time, observe = scheduler.policy.observe_step_time, scheduler.policy.observe_step
+
+    def compiling_phases(*args, **kwargs):
+        counters["stats"]["unique_graphs"] += 1
+        return run_phases(*args, **kwargs)
+
+    monkeypatch.setattr(Stepper, "run_phases", compiling_phases)
+    scheduler.policy.observe_step_time = lambda B, g, seconds: (learnt.append(seconds), observe_time(B, g, seconds))
+    scheduler.policy.observe_step = lambda budgets, accepted, draft_s: (drafted.append(draft_s),
+                                                                        observe(budgets, accepted, draft_s))
+    events = []
+    ids = model.tokenizer(PROMPTS[1])["input_ids"]
+    scheduler.submit(GenerationRequest(ids, 12, SamplingParams(temperature=0.0), (), events.append))
+    while scheduler.num_running or scheduler.waiting or scheduler.joining:
+        scheduler.turn()
+    scheduler.stop()
+    assert events and events[-1].final and drafted  # steps ran and were counted
+    assert not learnt and set(drafted) == {None} and scheduler.policy.draft_samples == 0
+
+
 def test_a_step_cut_to_what_was_drafted_offers_only_the_width_it_verified(model):
     """A host drafter's chain step is cut to what its rows drafted (step.narrow), down to a plain step where
     none drafted. Acceptance counts only the slots such a step verified: counting the cut ones as rejected
