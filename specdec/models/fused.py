@@ -58,8 +58,10 @@ def compiled(fn):
 def graphs_compiled() -> int:
     """How many graphs torch.compile has built in this process. A compile takes seconds on the thread that
     meets a new shape, so a step timed across one times the compiler (StepReport.compiled). Read from
-    dynamo's own counters, which count every compile and recompile of every function."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    dynamo's own counters, which count every compile and recompile of every function; where dynamo is not
+    imported, nothing has compiled (and importing it here would put most of a second into a step)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 
 
 @contextmanager
